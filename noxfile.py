@@ -1,0 +1,97 @@
+"""Sessions for the monorepo: tests, typecheck, lint, build, bench.
+
+torch is installed first in every session as ``torch==2.13.0`` (a CPU build that
+lies on local disk on our machines); set ``FSDP_TORCH_SPEC`` to install another
+build, e.g. ``FSDP_TORCH_SPEC="torch==2.13.0 --index-url ..."`` on a GPU box.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import tempfile
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+# Dependency order: each package only needs the ones before it.
+PACKAGES = ["flatparam", "zero_optim", "fsdp", "ckpt"]
+TORCH = shlex.split(os.environ.get("FSDP_TORCH_SPEC", "torch==2.13.0"))
+TEST_DEPS = ["pytest==9.2.0", "pytest-timeout==2.4.0", "hypothesis==6.170.15", "numpy"]
+TYPE_DEPS = ["mypy==2.4.1", "pytest==9.2.0", "hypothesis==6.170.15", "numpy"]
+LINT_DEPS = ["ruff==0.17.6"]
+
+nox.options.sessions = ["tests", "typecheck", "lint"]
+nox.options.reuse_existing_virtualenvs = True
+
+
+def _package_paths() -> list[str]:
+    return [str(ROOT / "packages" / name) for name in PACKAGES]
+
+
+def _install_stack(session: nox.Session, *extra: str) -> None:
+    """torch first (pinned), then our packages together so siblings resolve locally."""
+    session.install(*TORCH)
+    session.install(*_package_paths(), *extra)
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """All four packages installed (not editable) and pytest over tests/."""
+    _install_stack(session, *TEST_DEPS)
+    session.run("pytest", "tests", *session.posargs, env={"OMP_NUM_THREADS": "1"})
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """mypy --strict over every package's src, each package on its own."""
+    session.install(*TORCH)
+    session.install(*TYPE_DEPS)
+    for name in PACKAGES:
+        session.run("mypy", "--strict", str(ROOT / "packages" / name / "src" / name))
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff lint and format check over the whole tree."""
+    session.install(*LINT_DEPS)
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+def build(session: nox.Session) -> None:
+    """hatch builds a wheel and sdist per package; each wheel is installed alone
+    in a fresh venv with only its declared dependencies and imported there."""
+    session.install("hatch")
+    dist = Path(tempfile.mkdtemp(prefix="dist-"))
+    for name in PACKAGES:
+        with session.chdir(ROOT / "packages" / name):
+            session.run("hatch", "build", "-t", "wheel", "-t", "sdist", str(dist))
+    session.log(f"built: {sorted(p.name for p in dist.iterdir())}")
+    _check_versions(session)
+    for name in PACKAGES:
+        venv = Path(tempfile.mkdtemp(prefix=f"venv-{name}-"))
+        session.run("python", "-m", "venv", str(venv), external=True)
+        py = str(venv / "bin" / "python")
+        session.run(py, "-m", "pip", "install", "-q", *TORCH, external=True)
+        # --find-links makes pip take our siblings from dist/ and nothing from an index
+        # that might hold an unrelated project of the same name.
+        session.run(
+            py, "-m", "pip", "install", "-q", "--find-links", str(dist), name, external=True
+        )
+        session.run(py, str(ROOT / "tools" / "install_check.py"), name, external=True)
+
+
+def _check_versions(session: nox.Session) -> None:
+    """Every sibling pin admits the sibling's current version."""
+    session.install("packaging")
+    session.run("python", str(ROOT / "tools" / "install_check.py"), "--pins", str(ROOT))
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Benchmarks against torch's own implementations, printed as ratio tables."""
+    _install_stack(session, "numpy")
+    session.run("python", "-m", "benchmarks", *session.posargs, env={"OMP_NUM_THREADS": "1"})

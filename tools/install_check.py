@@ -1,0 +1,67 @@
+"""Checks run by ``nox -s build`` against installed wheels and sibling pins.
+
+``python install_check.py NAME`` runs inside a venv that holds only NAME's wheel
+and its declared dependencies: it imports NAME, and fails if importing it pulled
+in one of our packages that NAME does not declare.
+
+``python install_check.py --pins ROOT`` checks that every sibling pin in
+``packages/*/pyproject.toml`` admits the sibling's current version.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import re
+import sys
+import tomllib
+from pathlib import Path
+
+OURS = ("flatparam", "zero_optim", "fsdp", "ckpt")
+
+
+def check_import(name: str) -> None:
+    module = importlib.import_module(name)
+    requires = importlib.metadata.requires(name) or []
+    declared = {re.split(r"[<>=!~ ;\[]", r, maxsplit=1)[0].replace("-", "_") for r in requires}
+    allowed = (declared | {name}) & set(OURS)
+    stray = [p for p in OURS if p in sys.modules and p not in allowed]
+    if stray:
+        raise SystemExit(f"importing {name} imported {stray}, which it does not declare")
+    installed = []
+    for p in OURS:
+        try:
+            importlib.metadata.version(p)
+            installed.append(p)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    # Declared dependencies are only the direct ones; transitive siblings are fine.
+    print(f"{name} {module.__version__}: imports alone; our packages installed: {installed}")
+
+
+def check_pins(root: Path) -> None:
+    from packaging.requirements import Requirement
+
+    versions = {}
+    for p in OURS:
+        text = (root / "packages" / p / "src" / p / "_version.py").read_text()
+        match = re.search(r'__version__ = "([^"]+)"', text)
+        if match is None:
+            raise SystemExit(f"packages/{p}: _version.py has no __version__")
+        versions[p] = match.group(1)
+    for p in OURS:
+        meta = tomllib.loads((root / "packages" / p / "pyproject.toml").read_text())
+        for dep in meta["project"]["dependencies"]:
+            req = Requirement(dep)
+            if req.name in versions and not req.specifier.contains(versions[req.name]):
+                raise SystemExit(
+                    f"packages/{p} pins {dep}, but {req.name} is at {versions[req.name]}"
+                )
+    print(f"sibling pins are consistent: {versions}")
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "--pins":
+        check_pins(Path(sys.argv[2]))
+    else:
+        check_import(sys.argv[1])
