@@ -14,8 +14,9 @@ import importlib
 import importlib.metadata
 import re
 import sys
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 OURS = ("flatparam", "zero_optim", "fsdp", "ckpt")
 
