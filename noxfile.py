@@ -76,12 +76,28 @@ def build(session: nox.Session) -> None:
         session.run("python", "-m", "venv", str(venv), external=True)
         py = str(venv / "bin" / "python")
         session.run(py, "-m", "pip", "install", "-q", *TORCH, external=True)
-        # --find-links makes pip take our siblings from dist/ and nothing from an index
-        # that might hold an unrelated project of the same name.
+        # --no-index: our packages and their siblings come from dist/ alone. PyPI holds an
+        # unrelated "ckpt" with a higher version that an index lookup would prefer.
+        (wheel,) = dist.glob(f"{name}-*.whl")
         session.run(
-            py, "-m", "pip", "install", "-q", "--find-links", str(dist), name, external=True
+            py,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-index",
+            "--find-links",
+            str(dist),
+            str(wheel),
+            external=True,
         )
-        session.run(py, str(ROOT / "tools" / "install_check.py"), name, external=True)
+        session.run(
+            py,
+            str(ROOT / "tools" / "install_check.py"),
+            name,
+            wheel.name.split("-")[1],
+            external=True,
+        )
 
 
 def _check_versions(session: nox.Session) -> None:

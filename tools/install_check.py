@@ -1,8 +1,9 @@
 """Checks run by ``nox -s build`` against installed wheels and sibling pins.
 
-``python install_check.py NAME`` runs inside a venv that holds only NAME's wheel
-and its declared dependencies: it imports NAME, and fails if importing it pulled
-in one of our packages that NAME does not declare.
+``python install_check.py NAME VERSION`` runs inside a venv that holds only NAME's
+wheel and its declared dependencies: it imports NAME, checks that the installed
+version is the one just built, and fails if importing it pulled in one of our
+packages that NAME does not declare.
 
 ``python install_check.py --pins ROOT`` checks that every sibling pin in
 ``packages/*/pyproject.toml`` admits the sibling's current version.
@@ -21,8 +22,12 @@ import tomllib
 OURS = ("flatparam", "zero_optim", "fsdp", "ckpt")
 
 
-def check_import(name: str) -> None:
+def check_import(name: str, version: str) -> None:
     module = importlib.import_module(name)
+    if module.__version__ != version:
+        raise SystemExit(
+            f"imported {name} {module.__version__} from {module.__file__}, not {version}"
+        )
     requires = importlib.metadata.requires(name) or []
     declared = {re.split(r"[<>=!~ ;\[]", r, maxsplit=1)[0].replace("-", "_") for r in requires}
     allowed = (declared | {name}) & set(OURS)
@@ -65,4 +70,4 @@ if __name__ == "__main__":
     if sys.argv[1] == "--pins":
         check_pins(Path(sys.argv[2]))
     else:
-        check_import(sys.argv[1])
+        check_import(sys.argv[1], sys.argv[2])
