@@ -1,5 +1,19 @@
-"""zero_optim: see the package README; the public API lands with its issue."""
+"""zero_optim: optimizer state sharded across data-parallel ranks (ZeRO stage 1).
 
+A drop-in for ``torch.distributed.optim.ZeroRedundancyOptimizer`` and for
+torch's ``ddp_zero_hook`` comm hooks; see the package README.
+"""
+
+from zero_optim._ddp_hooks import hook_with_zero_step, hook_with_zero_step_interleaved
+from zero_optim._optimizer import ZeroRedundancyOptimizer
+from zero_optim._partition import Partition, sorted_greedy_partition
 from zero_optim._version import __version__
 
-__all__ = ["__version__"]
+__all__ = [
+    "Partition",
+    "ZeroRedundancyOptimizer",
+    "__version__",
+    "hook_with_zero_step",
+    "hook_with_zero_step_interleaved",
+    "sorted_greedy_partition",
+]

@@ -1,0 +1,179 @@
+"""The collectives of a ZeRO step, as stateless functions.
+
+Every input is an argument (tensors, ranks, the process group), so the optimizer
+and the DDP hooks share them and nothing here reads optimizer state.
+
+[Note: collective order]
+Every rank must issue the same collectives in the same order, or gloo pairs a
+broadcast on one rank with an all-reduce on another (and hangs or corrupts
+data). The order here is always derived from the partition, which every rank
+computes identically: sources in rank order, tensors in local-optimizer order.
+All collectives are issued from the thread that calls into this module, never
+from a future's callback, whose thread and timing differ between ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = [
+    "PendingBroadcast",
+    "broadcast_from_owner",
+    "gather_to",
+    "pack",
+    "send_grads_to_joined",
+    "unpack",
+]
+
+
+def pack(tensors: Sequence[Tensor]) -> Tensor:
+    """Concatenate ``tensors`` (same dtype and device) into one new 1-D tensor."""
+    return torch.cat([t.detach().reshape(-1) for t in tensors])
+
+
+def unpack(flat: Tensor, tensors: Sequence[Tensor]) -> None:
+    """Copy consecutive slices of ``flat`` into ``tensors``, the inverse of :func:`pack`."""
+    offset = 0
+    for t in tensors:
+        n = t.numel()
+        t.detach().copy_(flat[offset : offset + n].view_as(t))
+        offset += n
+    if offset != flat.numel():
+        raise ValueError(f"unpack: {flat.numel()} elements for tensors holding {offset}")
+
+
+@dataclass
+class PendingBroadcast:
+    """An issued broadcast and, for a packed one, where its data goes on arrival."""
+
+    work: dist.Work
+    flat: Tensor | None  # the packed buffer; None when tensors were sent in place
+    targets: Sequence[Tensor]  # receivers unpack ``flat`` into these after the wait
+
+    def wait(self) -> None:
+        """Block until the data has arrived, then unpack it if it was packed."""
+        self.work.wait()
+        if self.flat is not None and self.targets:
+            unpack(self.flat, self.targets)
+
+
+def broadcast_from_owner(
+    tensors: Sequence[Tensor],
+    owner: int,
+    rank: int,
+    group: dist.ProcessGroup,
+    *,
+    coalesce: bool,
+) -> list[PendingBroadcast]:
+    """Start broadcasting ``tensors`` from group rank ``owner`` to every rank.
+
+    Every rank passes the same list (same shapes, same order): the owner's are
+    sent, the others' overwritten. With ``coalesce`` (or when a tensor is not
+    contiguous) the tensors travel packed in one message and receivers unpack
+    them on :meth:`PendingBroadcast.wait`; otherwise each one is broadcast in
+    place with no copy.
+    """
+    tensors = [t for t in tensors if t.numel() > 0]
+    if not tensors:
+        return []
+    src = dist.get_global_rank(group, owner)
+    if not coalesce and all(t.is_contiguous() for t in tensors):
+        return [
+            PendingBroadcast(
+                _async(dist.broadcast(t.detach(), src, group, async_op=True)), None, ()
+            )
+            for t in tensors
+        ]
+    if owner == rank:
+        flat = pack(tensors)
+        targets: Sequence[Tensor] = ()
+    else:
+        numel = sum(t.numel() for t in tensors)
+        flat = torch.empty(numel, dtype=tensors[0].dtype, device=tensors[0].device)
+        targets = tensors
+    return [
+        PendingBroadcast(_async(dist.broadcast(flat, src, group, async_op=True)), flat, targets)
+    ]
+
+
+def gather_to(
+    obj: Any, dst: int, rank: int, world_size: int, group: dist.ProcessGroup
+) -> list[Any]:
+    """Gather one picklable object per rank on group rank ``dst``.
+
+    Returns the objects in rank order on ``dst`` and ``[]`` elsewhere. Tensors
+    inside ``obj`` should already be on the CPU: they are pickled.
+    """
+    out: list[Any] | None = [None] * world_size if rank == dst else None
+    dist.gather_object(obj, out, dst=dist.get_global_rank(group, dst), group=group)
+    return out if out is not None else []
+
+
+def send_grads_to_joined(
+    params_per_rank: Sequence[Sequence[Tensor]],
+    joined: bool,
+    rank: int,
+    group: dist.ProcessGroup,
+    device: torch.device,
+) -> None:
+    """Give every joined rank the gradients of the parameters it owns.
+
+    Called on every rank before a step inside a ``Join`` context: ``joined`` is
+    whether the caller has run out of inputs. See [Note: uneven inputs] in
+    ``_optimizer.py`` for why this is needed. ``params_per_rank[r]`` are the
+    trainable parameters rank ``r`` steps, the same list on every rank.
+    """
+    world_size = len(params_per_rank)
+    flags = torch.zeros(world_size, dtype=torch.int32, device=device)
+    if joined:
+        flags[rank] = 1
+    dist.all_reduce(flags, group=group)
+    is_joined = [bool(f) for f in flags.tolist()]
+    if not any(is_joined):
+        return
+    # A joined rank only steps while another rank still trains (Join's loop
+    # stops when none does), so a source always exists.
+    source = is_joined.index(False)
+    src = dist.get_global_rank(group, source)
+    for target, target_joined in enumerate(is_joined):
+        params = params_per_rank[target]
+        if not target_joined or not params:
+            continue
+        # Which parameters have a gradient on the source (None means "skip this
+        # parameter", which an optimizer must see as such), then the gradients.
+        has_grad = torch.tensor(
+            [p.grad is not None for p in params], dtype=torch.uint8, device=device
+        )
+        dist.broadcast(has_grad, src, group)
+        with_grad = [p for p, h in zip(params, has_grad.tolist(), strict=True) if h]
+        if with_grad:
+            if rank == source:
+                flat = pack([p.grad for p in with_grad if p.grad is not None])
+            else:
+                numel = sum(p.numel() for p in with_grad)
+                flat = torch.empty(numel, dtype=with_grad[0].dtype, device=with_grad[0].device)
+            dist.broadcast(flat, src, group)
+        if rank != target:
+            continue
+        offset = 0
+        for p, h in zip(params, has_grad.tolist(), strict=True):
+            if not h:
+                p.grad = None
+                continue
+            n = p.numel()
+            if p.grad is None:
+                p.grad = torch.empty_like(p)
+            p.grad.copy_(flat[offset : offset + n].view_as(p))
+            offset += n
+
+
+def _async(work: dist.Work | None) -> dist.Work:
+    if work is None:  # only happens for async_op=False
+        raise AssertionError("an async collective returned no work handle")
+    return work
