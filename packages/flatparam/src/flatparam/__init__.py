@@ -4,6 +4,13 @@ No ``torch.distributed`` here: the sharding is pure arithmetic on sizes
 (:class:`ShardLayout`), so fsdp and zero_optim share it and test it alone.
 """
 
+from flatparam._flat_param import (
+    FlatParameter,
+    ParamInfo,
+    ParamOffset,
+    ShardMetadata,
+    SharedParamInfo,
+)
 from flatparam._shard import (
     ShardLayout,
     ShardPiece,
@@ -14,10 +21,19 @@ from flatparam._shard import (
     unshard_flat,
 )
 from flatparam._version import __version__
+from flatparam._wrapper import FLAT_PARAM, FPW_MODULE, FlattenParamsWrapper
 
 __all__ = [
+    "FLAT_PARAM",
+    "FPW_MODULE",
+    "FlatParameter",
+    "FlattenParamsWrapper",
+    "ParamInfo",
+    "ParamOffset",
     "ShardLayout",
+    "ShardMetadata",
     "ShardPiece",
+    "SharedParamInfo",
     "__version__",
     "align_numel_for",
     "pad_flat",
