@@ -111,4 +111,11 @@ def _wrap(
         zero._on_ddp_bucket(bucket, fut)  # type: ignore[arg-type]
         return fut
 
+    # DDP.register_comm_hook compares the annotations with dist.GradBucket and
+    # Future[Tensor] by value; postponed (string) annotations would fail that check.
+    hook_with_zero.__annotations__ = {
+        "state": Any,
+        "bucket": dist.GradBucket,  # type: ignore[attr-defined]
+        "return": Future[Tensor],
+    }
     return hook_with_zero
