@@ -7,7 +7,7 @@ import io
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
@@ -187,7 +187,6 @@ def test_shard_by_offsets_errors() -> None:
         flat.shard_by_offsets(2, 5, 1)
 
 
-@settings(max_examples=60, deadline=None)
 @given(
     numels=st.lists(st.integers(0, 30), min_size=1, max_size=6),
     world_size=st.integers(1, 8),

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from flatparam import (
@@ -182,7 +182,6 @@ def test_tensor_helpers_reject_wrong_sizes() -> None:
 # --- properties ------------------------------------------------------------------------
 
 
-@settings(max_examples=150, deadline=None)
 @given(numels=numels_st, world_size=world_st, align=align_st)
 def test_layout_invariants(numels: list[int], world_size: int, align: int) -> None:
     layout = ShardLayout.build(numels, world_size, align)
@@ -200,7 +199,6 @@ def test_layout_invariants(numels: list[int], world_size: int, align: int) -> No
     assert sum(layout.num_padded(r) for r in range(world_size)) == layout.padded_numel - full
 
 
-@settings(max_examples=150, deadline=None)
 @given(numels=numels_st, world_size=world_st, align=align_st)
 def test_pieces_cover_every_element_exactly_once(
     numels: list[int], world_size: int, align: int
@@ -226,7 +224,6 @@ def test_pieces_cover_every_element_exactly_once(
     assert all(count == 1 for counts in seen for count in counts)
 
 
-@settings(max_examples=100, deadline=None)
 @given(
     numels=numels_st,
     world_size=world_st,

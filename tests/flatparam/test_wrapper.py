@@ -8,7 +8,7 @@ import itertools
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
@@ -61,7 +61,6 @@ def _wrap_all(module: nn.Module) -> FlattenParamsWrapper:
 # --- numbers match the unwrapped module --------------------------------------------------
 
 
-@settings(max_examples=25, deadline=None)
 @given(
     dims=st.lists(st.integers(1, 6), min_size=2, max_size=4),
     bias=st.booleans(),
