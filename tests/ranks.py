@@ -56,6 +56,9 @@ import contextlib
 import ctypes
 import datetime
 import faulthandler
+import importlib
+import importlib.util
+import marshal
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.forkserver
@@ -140,6 +143,9 @@ class RankFailure(AssertionError):  # noqa: N818  (the name other tests import)
         # ranks that were still running when the harness gave up on them
         self.stuck = stuck
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.args[0], self.failures, self.stuck))
+
 
 @dataclass(frozen=True)
 class _RankJob:
@@ -151,7 +157,11 @@ class _RankJob:
     payload: bytes  # pickle of (fn, args, kwargs)
     timeout: float  # seconds; process-group timeout and the watchdog's base
     backend: str
-    server_pid: int  # the forkserver, our parent: we must die with it
+    env: dict[str, str]  # the test process's environment at the call
+    # (module name, file, marshalled code) of fn's module with pytest's assert
+    # rewriting, or None: see _rewritten_code
+    rewritten: tuple[str, str, bytes] | None
+    server_pid: int = 0  # the forkserver, our parent: we must die with it
 
 
 @dataclass(frozen=True)
@@ -184,8 +194,15 @@ def shutdown() -> None:
     """
     with _lock:
         server = _server()
-        if getattr(server, "_forkserver_pid", None) is not None:
-            server._stop()
+        pid = getattr(server, "_forkserver_pid", None)
+        if pid is None:
+            return
+        # The forkserver would only exit once every holder of its "alive" pipe
+        # closed it, and a process some test leaked may still hold one: end it
+        # directly. Its remaining children, if any, die with it (PDEATHSIG).
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+        server._stop()  # closes our pipe end, reaps it, removes its socket
 
 
 def run_ranks(
@@ -201,9 +218,12 @@ def run_ranks(
     with an initialised default process group (``torch.distributed.get_rank()``
     works inside ``fn``) and ``torch.set_num_threads(1)``. ``fn``, the arguments
     and the return values must pickle; ``fn`` must live at module level of an
-    importable module. ``timeout`` bounds the whole call: start-up, every
-    collective and ``fn`` itself. Batch many sub-cases into one call: a call
-    costs a fork and a rendezvous, a sub-case inside it costs nothing extra.
+    importable module. ``timeout`` (seconds) bounds the ranks' run, counted
+    once they are forked: rendezvous, every collective (it is the process
+    group's timeout too) and ``fn`` itself. Nothing is seeded: every rank
+    starts from torch's default seed, so seed in ``fn`` what must differ or
+    match. Batch many sub-cases into one call: a call costs a fork and a
+    rendezvous (tens of milliseconds), a sub-case inside it nothing extra.
 
     Raises :class:`RankFailure` when any rank raises, exits early, or is still
     running after ``timeout`` seconds; every rank process is gone by the time
@@ -227,8 +247,10 @@ def run_ranks(
         ctx = _context()
         workdir = Path(tempfile.mkdtemp(prefix="ranks-"))
         try:
+            rewritten = _rewritten_code(getattr(fn, "__module__", None))
+            env = dict(os.environ)
             jobs = [
-                _RankJob(rank, world_size, str(workdir), payload, timeout, backend, 0)
+                _RankJob(rank, world_size, str(workdir), payload, timeout, backend, env, rewritten)
                 for rank in range(world_size)
             ]
             outcomes = _launch_and_wait(ctx, jobs)
@@ -253,6 +275,44 @@ def _server() -> Any:
     return multiprocessing.forkserver._forkserver
 
 
+# module name -> (name, file, marshalled code); None where rewriting does not apply
+_rewritten_cache: dict[str, tuple[str, str, bytes] | None] = {}
+
+
+def _rewritten_code(module_name: str | None) -> tuple[str, str, bytes] | None:
+    """fn's module compiled with pytest's assert rewriting, if pytest rewrote it here.
+
+    The ranks import fn's module afresh, and a plain import would give their
+    ``assert a == b`` a bare ``AssertionError``. When pytest rewrote the module
+    in this process, the ranks get the same rewritten code and their failures
+    read ``assert 2 == 3``. Compiled once per module; any problem (another
+    pytest version, no pytest) falls back to a plain import in the ranks.
+    """
+    if module_name is None:
+        return None
+    if module_name in _rewritten_cache:
+        return _rewritten_cache[module_name]
+    entry = None
+    module = sys.modules.get(module_name)
+    loader = getattr(module, "__loader__", None)
+    filename = getattr(module, "__file__", None)
+    if type(loader).__name__ == "AssertionRewritingHook" and filename is not None:
+        try:
+            import ast
+
+            from _pytest.assertion.rewrite import rewrite_asserts
+
+            source = Path(filename).read_bytes()
+            tree = ast.parse(source, filename=filename)
+            rewrite_asserts(tree, source, filename, getattr(loader, "config", None))
+            code = compile(tree, filename, "exec", dont_inherit=True)
+            entry = (module_name, filename, marshal.dumps(code))
+        except Exception:
+            entry = None
+    _rewritten_cache[module_name] = entry
+    return entry
+
+
 def _launch_and_wait(
     ctx: multiprocessing.context.BaseContext, jobs: list[_RankJob]
 ) -> list[_Outcome]:
@@ -261,7 +321,6 @@ def _launch_and_wait(
     world_size = len(jobs)
     timeout = jobs[0].timeout
     workdir = Path(jobs[0].workdir)
-    deadline = time.monotonic() + timeout
     try:
         multiprocessing.forkserver.ensure_running()
         server_pid = _server()._forkserver_pid
@@ -272,8 +331,11 @@ def _launch_and_wait(
                 name=f"rank{job.rank}",
                 daemon=True,
             )
-            proc.start()
+            proc.start()  # returns once forked: waits for a (re)starting forkserver
             procs.append(proc)
+        # The timeout counts from here, so a forkserver still importing torch
+        # does not eat into the first test's time.
+        deadline = time.monotonic() + timeout
 
         outcomes: dict[int, _Outcome] = {}
         first_failure: float | None = None
@@ -292,6 +354,13 @@ def _launch_and_wait(
                 if outcomes[rank].status != "ok" and first_failure is None:
                     first_failure = time.monotonic()
 
+        # A rank that wrote its outcome but has not exited waits in the exit
+        # barrier for a failed or stuck peer: its own outcome stands.
+        for r in range(world_size):
+            if r not in outcomes and (workdir / f"rank{r}.result").exists():
+                procs[r].kill()
+                procs[r].join()
+                outcomes[r] = _read_outcome(workdir, r, None)
         stuck = [r for r in range(world_size) if r not in outcomes]
         if stuck:
             why = (
@@ -339,10 +408,30 @@ def _dump_stacks(workdir: Path, pids: dict[int, int | None]) -> dict[int, str]:
             # faulthandler writes from inside the signal handler; a size that
             # stopped growing means the dump is complete.
             if size and sizes.get(rank) == size:
-                stacks[rank] = path.read_text(errors="replace")
+                stacks[rank] = _without_harness_frames(path.read_text(errors="replace"))
             sizes[rank] = size
         time.sleep(0.02)
     return stacks
+
+
+def _without_harness_frames(dump: str) -> str:
+    """Drop the frames below ``_rank_main`` (multiprocessing's bootstrap) from a stack dump.
+
+    faulthandler lists the innermost frame first, so each thread's frames from
+    ``_rank_main`` down to the end of its block are the harness, not the test.
+    """
+    kept: list[str] = []
+    skipping = False
+    for line in dump.splitlines():
+        if not line.startswith("  File "):
+            skipping = False  # a thread header or a blank line starts a new block
+        elif skipping:
+            continue
+        elif line.endswith(" in _rank_main"):
+            skipping = True
+            continue
+        kept.append(line)
+    return "\n".join(kept)
 
 
 def _read_outcome(workdir: Path, rank: int, exitcode: int | None) -> _Outcome:
@@ -352,8 +441,8 @@ def _read_outcome(workdir: Path, rank: int, exitcode: int | None) -> _Outcome:
         record = pickle.loads(path.read_bytes())
         if record[0] == "ok":
             return _Outcome(rank, "ok", "", float("inf"), record[1])
-        _, text, failed_at = record
-        return _Outcome(rank, "raised", f"rank {rank} raised:\n{text}", failed_at)
+        _, phase, text, failed_at = record
+        return _Outcome(rank, "raised", f"rank {rank} raised {phase}:\n{text}", failed_at)
     if exitcode is not None and exitcode < 0:
         try:
             how = f"was killed by signal {signal.Signals(-exitcode).name}"
@@ -417,7 +506,11 @@ _rank_files: list[IO[Any]] = []
 
 
 def _rank_main(job: _RankJob) -> None:
-    """Body of a rank process: set up, run ``fn``, leave an outcome file."""
+    """Body of a rank process: set up, run ``fn``, leave an outcome file, exit.
+
+    Ends in ``os._exit`` so that nothing ``fn`` left behind (a non-daemon
+    thread, an atexit hook) can keep the process alive after its result is out.
+    """
     rank, world_size, timeout, backend = job.rank, job.world_size, job.timeout, job.backend
     workdir = Path(job.workdir)
     _die_with_forkserver(job.server_pid)
@@ -429,11 +522,15 @@ def _rank_main(job: _RankJob) -> None:
     faulthandler.dump_traceback_later(timeout + WATCHDOG_EXTRA_S, exit=True, file=out)
 
     record: tuple[Any, ...]
+    phase = "setting up (before fn ran)"
     import torch
     import torch.distributed as dist
 
     try:
-        torch.set_num_threads(1)
+        # The environment of the test process now, not of the forkserver when
+        # it started: a test's monkeypatch.setenv reaches its ranks.
+        os.environ.clear()
+        os.environ.update(job.env)
         os.environ.update(
             RANK=str(rank),
             WORLD_SIZE=str(world_size),
@@ -447,8 +544,11 @@ def _rank_main(job: _RankJob) -> None:
             and os.path.exists("/sys/class/net/lo")
         ):
             os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+        torch.set_num_threads(1)
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
+        if job.rewritten is not None:
+            _import_rewritten(*job.rewritten)
         fn, args, kwargs = pickle.loads(job.payload)
         dist.init_process_group(
             backend,
@@ -457,7 +557,9 @@ def _rank_main(job: _RankJob) -> None:
             world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout),
         )
+        phase = "in fn"
         result = fn(*args, **kwargs)
+        phase = "returning its result"
         try:
             record = ("ok", pickle.dumps(result))
         except Exception as exc:
@@ -465,20 +567,54 @@ def _rank_main(job: _RankJob) -> None:
                 f"the return value of {fn!r} could not be pickled: {exc}; return plain "
                 "data (numbers, lists, tensors) from a rank"
             ) from exc
-    except BaseException:
-        record = ("error", traceback.format_exc(), time.time())
-    finally:
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:
-                traceback.print_exc()
+    except BaseException as exc:
+        tb = exc.__traceback__
+        if phase == "in fn" and tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next  # start the traceback at fn, not at this harness frame
+        text = "".join(traceback.format_exception(type(exc), exc, tb))
+        record = ("error", phase, text, time.time())
     tmp = workdir / f"rank{rank}.result.tmp"
     tmp.write_bytes(pickle.dumps(record))
     os.replace(tmp, workdir / f"rank{rank}.result")
+    if dist.is_initialized():
+        if record[0] == "ok":
+            # [Note: exit barrier] A rank must not close its sockets while a
+            # peer still needs them: gloo lets a fast rank leave
+            # init_process_group (and a trivial fn) while a slow peer is still
+            # connecting to it, and that peer then fails with "Connection
+            # closed by peer". A rank that failed skips this and closes at
+            # once, which is what makes its peers fail fast. The result is
+            # already written, so an error or a kill here changes nothing.
+            with contextlib.suppress(Exception):
+                dist.barrier()
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            traceback.print_exc()
     faulthandler.cancel_dump_traceback_later()
     sys.stdout.flush()
     sys.stderr.flush()
+    os._exit(0)
+
+
+def _import_rewritten(name: str, filename: str, code: bytes) -> None:
+    """Import test module ``name`` from its assert-rewritten code (see _rewritten_code)."""
+    if name in sys.modules:
+        return
+    package, _, attr = name.rpartition(".")
+    parent = importlib.import_module(package) if package else None
+    spec = importlib.util.spec_from_file_location(name, filename)
+    if spec is None:
+        return
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        exec(marshal.loads(code), module.__dict__)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    if parent is not None:
+        setattr(parent, attr, module)
 
 
 def _die_with_forkserver(server_pid: int) -> None:
