@@ -27,6 +27,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from flatparam import FlatParameter
+
 __all__ = ["ParamBuckets"]
 
 
@@ -77,9 +79,11 @@ class ParamBuckets:
 
 def _flatten_into_views(params: Sequence[Tensor]) -> Tensor:
     """Copy ``params`` into one new flat tensor and make each ``.data`` a view of it."""
-    bucket = torch.cat([p.detach().reshape(-1) for p in params])
-    offset = 0
-    for p in params:
-        p.data = bucket[offset : offset + p.numel()].view_as(p)
-        offset += p.numel()
+    # The FlatParameter is only the packing (its data is the concatenation, laid
+    # out as in flatparam's [Note: flat parameter views]); the bucket is its
+    # detached data, so the views carry no autograd history.
+    flat = FlatParameter(list(params), requires_grad=False)
+    bucket = flat.detach()
+    for p, view in zip(params, flat.get_param_views(bucket), strict=True):
+        p.data = view
     return bucket
