@@ -351,6 +351,45 @@ def test_to_dtype_moves_views_with_the_flat_param() -> None:
     _assert_bitwise(wrapped(x), ref(x))
 
 
+def test_to_dtype_inside_unflatten_params() -> None:
+    wrapped = _wrap_all(nn.Linear(3, 2))
+    flat = wrapped.flat_param
+    with wrapped.unflatten_params():
+        wrapped.double()
+        assert wrapped.module.weight.dtype == torch.float64
+        with torch.no_grad():
+            wrapped.module.weight.fill_(0.25)
+    assert wrapped.flat_param is flat
+    assert flat is not None and flat.dtype == torch.float64
+    assert torch.equal(wrapped.module.weight, torch.full((2, 3), 0.25, dtype=torch.float64))
+
+
+class WithExtraState(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.ones(2))
+        self.register_buffer("buf", torch.zeros(1))
+        self.b = nn.Parameter(torch.ones(3))
+        self.child = nn.Linear(1, 1)
+
+    def get_extra_state(self) -> dict[str, int]:
+        return {"step": 7}
+
+    def set_extra_state(self, state: dict[str, int]) -> None:
+        self.loaded = state
+
+
+def test_state_dict_order_with_buffers_and_extra_state() -> None:
+    ref = WithExtraState()
+    module = WithExtraState()
+    wrapped = FlattenParamsWrapper(module, [module.b, module.child.weight])
+    expected = ["a", "b", "buf", "_extra_state", "child.weight", "child.bias"]
+    assert list(ref.state_dict()) == expected
+    assert list(wrapped.state_dict()) == expected
+    wrapped.load_state_dict(ref.state_dict())
+    assert module.loaded == {"step": 7}
+
+
 def test_deepcopy_and_save_load() -> None:
     wrapped = _wrap_all(Tied())
     x = torch.tensor([[1, 2]])

@@ -304,6 +304,13 @@ class FlattenParamsWrapper(nn.Module):
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> FlattenParamsWrapper:
         # .to()/.half()/... swap flat_param's storage; the views must follow it.
         super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
+        orig = self.orig_flat_param[0]
+        if self.flat_param is None and orig is not None:
+            # Unflattened: the registered originals were converted; convert the
+            # kept FlatParameter too so that leaving unflatten_params() copies
+            # them back into storage of the new dtype/device.
+            with torch.no_grad():
+                orig.data = fn(orig)
         self._unflatten_params_if_needed()
         return self
 
