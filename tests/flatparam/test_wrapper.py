@@ -185,6 +185,23 @@ def test_shared_parameters_are_flattened_once_and_restored_to_both() -> None:
     assert not isinstance(inner.head.weight, nn.Parameter)
 
 
+def test_module_reachable_under_two_paths() -> None:
+    shared = nn.Linear(2, 2)
+    ref = nn.Sequential(shared, nn.ReLU(), shared)
+    module = copy.deepcopy(ref)
+    wrapped = _wrap_all(module)
+    assert wrapped.flat_param is not None and wrapped.flat_param.numel() == 6
+    assert list(wrapped.state_dict()) == list(ref.state_dict())
+    with torch.no_grad():
+        ref[0].weight.add_(1.0)
+    wrapped.load_state_dict(ref.state_dict())
+    x = torch.randn(3, 2)
+    _assert_bitwise(wrapped(x), ref(x))
+    sd = ref.state_dict()
+    del sd["2.bias"]
+    assert wrapped.load_state_dict(sd, strict=False).missing_keys == ["2.bias"]
+
+
 def test_state_dict_round_trips_between_wrapped_and_unwrapped() -> None:
     ref = Tied()
     wrapped = _wrap_all(Tied())  # different random init

@@ -500,18 +500,15 @@ class FlattenParamsWrapper(nn.Module):
                 with torch.no_grad():
                     flat.copy_(value)
                 loaded_whole = True
-        names = [
-            (k, prefix + _join(i.module_name, i.param_name))
-            for k, i in enumerate(flat._param_infos)
-        ]
+        # Every name each flattened parameter answers to: tied names, and a
+        # module reachable under several paths once per path, as nn.Module saves it.
         index = self._flat_index()
-        names += [
-            (
-                index[(id(s.prim_module), s.prim_param_name)],
-                prefix + _join(s.module_name, s.param_name),
-            )
-            for s in flat._shared_param_infos
-        ]
+        names: list[tuple[int, str]] = []
+        for path, m in self._fpw_module.named_modules(remove_duplicate=False):
+            for n in self._param_order.get(m, []):
+                k = index.get((id(m), n))
+                if k is not None:
+                    names.append((k, prefix + _join(path, n)))
         if flat.numel() != flat.full_numel:
             present = [key for _, key in names if key in state_dict]
             if present:
