@@ -1,0 +1,485 @@
+"""``save``, ``async_save``, ``load`` and ``verify``: DCP underneath, committed atomically.
+
+A save is a :class:`_SaveTransaction` through the states of :class:`SaveState`:
+rank 0 checks the path and creates the partial directory (``prepare``), every rank
+writes its shards there with DCP (``write``), every rank hashes the files it wrote and
+rank 0 writes the manifest and renames the directory into place (``commit``). See
+[Note: atomic commit] in ``_layout.py`` and [Note: integrity] in ``_manifest.py``.
+
+A load reads the manifest, has every rank verify a balanced share of the files, checks
+the keys and shapes against the state on every rank, and only then lets DCP read.
+Every decision is shared before anyone acts ([Note: one decision, every rank]).
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import shutil
+import threading
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.staging import BlockingAsyncStager
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+from ckpt import _layout
+from ckpt._comm import Comm, async_group
+from ckpt._errors import CheckpointError, CorruptCheckpointError, FileProblem
+from ckpt._fit import combine_fits, fit_rank, local_shapes, saved_shapes
+from ckpt._manifest import (
+    Checksum,
+    FileRecord,
+    Manifest,
+    balance_files,
+    check_file_set,
+    file_owner,
+    hash_file,
+    listed_files,
+    new_manifest,
+    read_manifest,
+    verify_files,
+    write_manifest,
+)
+from ckpt._state import apply_loaded, to_state_dict
+
+__all__ = [
+    "AsyncSave",
+    "CheckpointInfo",
+    "async_save",
+    "load",
+    "save",
+    "verify",
+    "wait_pending",
+]
+
+PathLike = str | os.PathLike[str]
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A committed checkpoint: where it is and what its manifest says."""
+
+    path: Path
+    manifest: Manifest | None  # None only for a plain DCP directory loaded with verify=False
+
+
+class SaveState(enum.Enum):
+    """Where a save stands; transitions only forward, or to FAILED."""
+
+    NEW = "new"
+    """Nothing on disk yet."""
+    PREPARED = "prepared"
+    """The path may be saved to; the empty partial directory exists on every rank's view."""
+    WRITTEN = "written"
+    """DCP wrote (and synced) every rank's files and the .metadata into the partial dir."""
+    COMMITTED = "committed"
+    """The manifest is written and the directory renamed into place."""
+    FAILED = "failed"
+    """A step raised; the partial directory (if any) is left for the next save to remove."""
+
+
+class _SaveTransaction:
+    """One save of one checkpoint, driven by every rank through the same steps."""
+
+    path: Path  # the final, committed location
+    comm: Comm
+    checksum: Checksum
+    state: SaveState
+    manifest: Manifest | None
+
+    def __init__(self, path: Path, comm: Comm, checksum: Checksum) -> None:
+        self.path = path
+        self.comm = comm
+        self.checksum = checksum
+        self.state = SaveState.NEW
+        self.manifest = None
+
+    def _expect(self, *states: SaveState) -> None:
+        assert self.state in states, f"save to {self.path} is {self.state}, expected {states}"
+
+    def prepare(self, overwrite: bool) -> None:
+        """Rank 0 checks the path and creates the partial directory; all ranks agree."""
+        self._expect(SaveState.NEW)
+        try:
+            removed = self.comm.run_on_coordinator(
+                f"prepare a save to {self.path}",
+                lambda: _layout.prepare_partial(self.path, overwrite),
+            )
+        except BaseException:
+            self.state = SaveState.FAILED
+            raise
+        if removed and self.comm.is_coordinator:
+            warnings.warn(
+                f"ckpt: removed {', '.join(map(str, removed))}, left by an earlier save to "
+                f"{self.path} that was interrupted before its commit",
+                stacklevel=3,
+            )
+        self.state = SaveState.PREPARED
+
+    def write(self, state_dict: dict[str, Any]) -> None:
+        """Every rank writes its shards into the partial directory (DCP, in parallel)."""
+        self._expect(SaveState.PREPARED)
+        try:
+            if not self.comm.distributed:
+                _quiet_single_process()
+            dcp_save(
+                state_dict,
+                storage_writer=FileSystemWriter(
+                    _layout.partial_path(self.path), sync_files=True, overwrite=False
+                ),
+                process_group=self.comm.group,
+                no_dist=not self.comm.distributed,
+            )
+        except CheckpointException as e:
+            # DCP shares a failure only after every rank finished writing, so the
+            # partial directory is no one's any more.
+            self.state = SaveState.FAILED
+            if self.comm.is_coordinator:
+                shutil.rmtree(_layout.partial_path(self.path), ignore_errors=True)
+            raise _dcp_failure(f"write {self.path}", e) from e
+        except BaseException:
+            self.state = SaveState.FAILED
+            raise
+        self.state = SaveState.WRITTEN
+
+    def commit(self, on_commit: Callable[[], None] | None = None) -> CheckpointInfo:
+        """Hash, write the manifest, rename into place; then ``on_commit`` on rank 0.
+
+        Every rank returns only after rank 0 committed and ran ``on_commit``.
+        """
+        self._expect(SaveState.WRITTEN)
+        try:
+            partial = _layout.partial_path(self.path)
+            mine = _hash_own_files(partial, self.comm, self.checksum)
+            gathered = self.comm.gather(mine)
+
+            def seal() -> Manifest:
+                assert gathered is not None
+                records: list[FileRecord] = []
+                for rank, part in enumerate(gathered):
+                    if isinstance(part, str):
+                        raise CheckpointError(f"rank {rank} could not hash its files: {part}")
+                    records.extend(part)
+                present = listed_files(partial)
+                hashed = {r.name for r in records}
+                # Anything no rank claimed (not written under DCP's rank prefixes) is
+                # hashed here so the manifest covers every file.
+                records.extend(
+                    hash_file(partial / n, self.checksum) for n in present if n not in hashed
+                )
+                vanished = sorted(hashed - set(present))
+                if vanished:
+                    raise CheckpointError(f"files disappeared while saving: {vanished}")
+                manifest = new_manifest(records, self.checksum, self.comm.world_size)
+                write_manifest(partial, manifest)
+                _layout.commit(self.path)
+                if on_commit is not None:  # before the broadcast: ranks see it done
+                    try:
+                        on_commit()
+                    except Exception as e:  # never turn a committed save into an error
+                        warnings.warn(f"ckpt: after committing {self.path}: {e}", stacklevel=2)
+                return manifest
+
+            self.manifest = self.comm.run_on_coordinator(f"commit {self.path}", seal)
+        except BaseException:
+            self.state = SaveState.FAILED
+            raise
+        self.state = SaveState.COMMITTED
+        return CheckpointInfo(self.path, self.manifest)
+
+
+def _dcp_failure(what: str, error: CheckpointException) -> CheckpointError:
+    """DCP's CheckpointException derives from BaseException (``except Exception`` misses
+    it); turn it into a CheckpointError that names the ranks and their errors."""
+    causes = "; ".join(
+        f"rank {rank}: {type(exc).__name__}: {exc}" for rank, (exc, _) in error.failures.items()
+    )
+    return CheckpointError(f"failed to {what}: {causes}\n{error}")
+
+
+_SINGLE_PROCESS_WARNING = (
+    r"torch\.distributed is disabled, unavailable or uninitialized, assuming the intent is "
+    r"to (save|load) in a single process"
+)
+
+
+def _quiet_single_process() -> None:
+    """Silence DCP's warning that it runs without a process group (idempotent: an
+    identical filter is replaced, not added again).
+
+    For ckpt a single process is a supported mode, not a mistake, and the warning would
+    also fire on the background thread of ``async_save`` (where ``catch_warnings``,
+    being process-wide, cannot be used safely). The filter matches only that message.
+    """
+    warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING, category=UserWarning)
+
+
+def _hash_own_files(partial: Path, comm: Comm, checksum: Checksum) -> list[FileRecord] | str:
+    """This rank's share of the hashing at save; a failure is returned, not raised, so
+    that rank 0 reports it instead of every other rank waiting in the gather."""
+    try:
+        return [
+            hash_file(partial / name, checksum)
+            for name in listed_files(partial)
+            if file_owner(name, comm.world_size) == comm.rank
+        ]
+    except OSError as e:
+        return f"{type(e).__name__}: {e}"
+
+
+class AsyncSave:
+    """A save running in the background; ``wait()`` for its result.
+
+    The state was copied to CPU memory before ``async_save`` returned, so training may
+    change the model and optimizer at once. The checkpoint appears (is committed) only
+    when the write finishes. Call ``wait()`` (or ``ckpt.wait_pending()``) before
+    destroying the process group or exiting.
+    """
+
+    path: Path
+    _done: threading.Event
+    _result: CheckpointInfo | None
+    _error: BaseException | None
+    _thread: threading.Thread | None
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._done = threading.Event()
+        self._result = None
+        self._error = None
+        self._thread = None
+
+    def _start(self, work: Callable[[], CheckpointInfo]) -> None:
+        def run() -> None:
+            try:
+                self._result = work()
+            except BaseException as e:
+                self._error = e
+            finally:
+                self._done.set()
+
+        self._thread = threading.Thread(target=run, name=f"ckpt-save:{self.path.name}")
+        self._thread.start()
+
+    def done(self) -> bool:
+        """Whether the save has finished (committed or failed); never blocks."""
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> CheckpointInfo:
+        """Block until committed and return it; re-raise the save's error if it failed."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"the asynchronous save to {self.path} is still running")
+        if self._thread is not None:
+            self._thread.join()
+        with _Pending.lock:  # waited for: no longer pending for the next save or load
+            if _Pending.save is self:
+                _Pending.save = None
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
+
+    def __repr__(self) -> str:
+        status = "running" if not self.done() else ("failed" if self._error else "committed")
+        return f"AsyncSave({str(self.path)!r}, {status})"
+
+
+class _Pending:
+    """This process's running asynchronous save, if any (at most one at a time)."""
+
+    lock = threading.Lock()
+    save: AsyncSave | None = None
+
+
+def wait_pending() -> CheckpointInfo | None:
+    """Wait for this process's asynchronous save, if one is running.
+
+    ``save``, ``async_save`` and ``load`` call it first, so saves never overlap and a
+    load never races a commit. Raises the background save's error if it failed.
+    """
+    with _Pending.lock:
+        pending, _Pending.save = _Pending.save, None
+    if pending is None:
+        return None
+    try:
+        return pending.wait()
+    except Exception as e:
+        raise CheckpointError(
+            f"the previous asynchronous save to {pending.path} failed: {e}"
+        ) from e
+
+
+def _as_path(path: PathLike) -> Path:
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
+    return Path(os.path.abspath(os.fspath(path)))
+
+
+def _as_checksum(checksum: str | Checksum) -> Checksum:
+    try:
+        return Checksum(checksum)
+    except ValueError:
+        names = ", ".join(repr(c.value) for c in Checksum)
+        raise ValueError(f"unknown checksum {checksum!r}; choose one of {names}") from None
+
+
+def save(
+    state: Mapping[str, Any],
+    path: PathLike,
+    *,
+    overwrite: bool = False,
+    checksum: str | Checksum = Checksum.CRC32,
+    process_group: dist.ProcessGroup | None = None,
+    _on_commit: Callable[[], None] | None = None,
+) -> CheckpointInfo:
+    """Save ``state`` to ``path`` from every rank; the checkpoint appears atomically.
+
+    Call on every rank of ``process_group`` (default: the default group, or no group at
+    all in a single process). ``state`` maps names to models, optimizers, other
+    stateful objects, tensors and plain objects. Each rank writes its own shards in
+    parallel into a sibling directory; the path only appears, complete and with a
+    manifest of checksums, after every rank finished, so a crash mid-save never leaves
+    a damaged checkpoint at ``path``. ``overwrite=True`` replaces an existing
+    checkpoint (atomically as well).
+    """
+    wait_pending()
+    target = _as_path(path)
+    comm = Comm.of(process_group)
+    sum_kind = _as_checksum(checksum)
+    state_dict, _ = to_state_dict(state, process_group)
+    tx = _SaveTransaction(target, comm, sum_kind)
+    tx.prepare(overwrite)
+    tx.write(state_dict)
+    return tx.commit(_on_commit)
+
+
+def async_save(
+    state: Mapping[str, Any],
+    path: PathLike,
+    *,
+    overwrite: bool = False,
+    checksum: str | Checksum = Checksum.CRC32,
+    process_group: dist.ProcessGroup | None = None,
+    _on_commit: Callable[[], None] | None = None,
+) -> AsyncSave:
+    """Like ``save``, but return once the state is copied to CPU memory.
+
+    The write, the hashing and the commit run on a background thread while training
+    continues; the returned handle's ``wait()`` gives the committed checkpoint. A
+    later save or load first waits for this one. The background collectives run on a
+    dedicated gloo group (created on the first call, on every rank), or on
+    ``process_group`` if given, which the training loop must then not use meanwhile.
+    """
+    wait_pending()
+    target = _as_path(path)
+    group = process_group if process_group is not None else async_group()
+    comm = Comm.of(group)
+    sum_kind = _as_checksum(checksum)
+    state_dict, _ = to_state_dict(state, group)
+    staged = BlockingAsyncStager(cache_staged_state_dict=False, type_check=False).stage(state_dict)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()  # the staged copies must be complete before we return
+    tx = _SaveTransaction(target, comm, sum_kind)
+    tx.prepare(overwrite)
+
+    def work() -> CheckpointInfo:
+        tx.write(staged)
+        return tx.commit(_on_commit)
+
+    handle = AsyncSave(target)
+    with _Pending.lock:
+        _Pending.save = handle
+    handle._start(work)
+    return handle
+
+
+def _open_checkpoint(path: Path, comm: Comm, verify: bool) -> Manifest | None:
+    """Rank 0 checks ``path`` is a committed checkpoint and reads its manifest; then
+    (``verify``) every rank checks its share of the files. Raises on every rank."""
+
+    def open_on_rank0() -> tuple[Manifest | None, list[FileProblem]]:
+        if not _layout.is_committed(path):
+            if not verify and (path / ".metadata").is_file():
+                return None, []
+            raise _layout.not_a_checkpoint(path)
+        manifest = read_manifest(path)
+        problems = check_file_set(manifest, listed_files(path)) if verify else []
+        return manifest, problems
+
+    manifest, problems = comm.run_on_coordinator(f"open {path}", open_on_rank0)
+    if not verify or manifest is None:
+        return manifest
+    sizes = {f.name: f.size for f in manifest.files}
+    share = balance_files(sizes, comm.world_size)[comm.rank]
+    found = comm.all_gather(verify_files(path, manifest, share))
+    problems = problems + [p for rank_problems in found for p in rank_problems]
+    if problems:
+        raise CorruptCheckpointError(path, sorted(problems, key=lambda p: p.name))
+    return manifest
+
+
+def verify(path: PathLike, *, process_group: dist.ProcessGroup | None = None) -> Manifest:
+    """Check a committed checkpoint's files against its manifest without loading it.
+
+    Call on every rank (or in one process): the files are split over the ranks. Raises
+    ``CorruptCheckpointError`` naming each missing, extra, truncated or altered file.
+    """
+    wait_pending()
+    manifest = _open_checkpoint(_as_path(path), Comm.of(process_group), verify=True)
+    assert manifest is not None
+    return manifest
+
+
+def load(
+    state: Mapping[str, Any],
+    path: PathLike,
+    *,
+    strict: bool = True,
+    verify: bool = True,
+    process_group: dist.ProcessGroup | None = None,
+) -> CheckpointInfo:
+    """Load the checkpoint at ``path`` into ``state`` on every rank, in place.
+
+    Models, optimizers and stateful objects load their state; tensors are filled in
+    place; plain objects are replaced in ``state``. Before anything is read: the files
+    are checked against the manifest (``verify``), and the keys and global shapes are
+    checked against ``state`` on every rank, so a corrupt checkpoint or one of another
+    model raises a clear error and changes nothing. ``strict=False`` loads the keys
+    both sides have and leaves the rest. Entries of the checkpoint that ``state`` does
+    not name are not loaded (load just ``{"model": model}`` from a training checkpoint).
+    The world size may differ from the one that saved.
+    """
+    wait_pending()
+    source = _as_path(path)
+    comm = Comm.of(process_group)
+    manifest = _open_checkpoint(source, comm, verify)
+    state_dict, ctx = to_state_dict(state, process_group)
+    reader = FileSystemReader(source)
+    fit = fit_rank(local_shapes(state_dict), saved_shapes(reader.read_metadata()), list(state))
+    error = combine_fits(source, comm.all_gather(fit), strict)
+    if error is not None:
+        raise error
+    try:
+        if not comm.distributed:
+            _quiet_single_process()
+        dcp_load(
+            state_dict,
+            storage_reader=reader,
+            planner=DefaultLoadPlanner(allow_partial_load=not strict),
+            process_group=process_group,
+            no_dist=not comm.distributed,
+        )
+    except CheckpointException as e:
+        raise _dcp_failure(f"read {source}", e) from e
+    apply_loaded(state, state_dict, ctx)
+    return CheckpointInfo(source, manifest)

@@ -1,0 +1,162 @@
+"""The few object collectives a save or load needs, also without a process group.
+
+A checkpoint is usable from a single process that never called
+``init_process_group``; ``Comm.of(None)`` is then a world of one where every
+collective returns its input.
+
+[Note: one decision, every rank]
+Whatever one rank decides (the save path is free, the files are intact, the keys fit)
+is sent to every rank before anyone acts on it, and every rank raises the same error.
+A rank that raised alone would leave the others blocked in the next collective until
+the process-group timeout; with the decision shared, a bad checkpoint fails fast and
+loudly everywhere.
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+
+from ckpt._errors import CheckpointError
+
+__all__ = ["Comm", "async_group"]
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Comm:
+    """A process group (or none) with this rank's place in it."""
+
+    group: dist.ProcessGroup | None  # None: single process, or the default group
+    rank: int  # rank within ``group``
+    world_size: int
+    distributed: bool  # False: no initialised process group; every op is local
+
+    @classmethod
+    def of(cls, group: dist.ProcessGroup | None) -> Comm:
+        """The communicator for ``group``, or the default group, or a world of one."""
+        if not (dist.is_available() and dist.is_initialized()):
+            if group is not None:
+                raise ValueError(
+                    "a process_group was given but torch.distributed is not initialised; "
+                    "call init_process_group first or pass process_group=None"
+                )
+            return cls(group=None, rank=0, world_size=1, distributed=False)
+        return cls(
+            group=group,
+            rank=dist.get_rank(group),
+            world_size=dist.get_world_size(group),
+            distributed=True,
+        )
+
+    @property
+    def is_coordinator(self) -> bool:
+        """Rank 0 of the group: it commits, writes the manifest, prunes."""
+        return self.rank == 0
+
+    def _global(self, group_rank: int) -> int:
+        if self.group is None:
+            return group_rank
+        return dist.get_global_rank(self.group, group_rank)
+
+    def broadcast(self, obj: T) -> T:
+        """Rank 0's ``obj`` on every rank (the others' ``obj`` is ignored)."""
+        if not self.distributed:
+            return obj
+        box: list[Any] = [obj if self.is_coordinator else None]
+        dist.broadcast_object_list(box, src=self._global(0), group=self.group)
+        return box[0]  # type: ignore[no-any-return]
+
+    def all_gather(self, obj: T) -> list[T]:
+        """Every rank's ``obj``, in rank order, on every rank."""
+        if not self.distributed:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def gather(self, obj: T) -> list[T] | None:
+        """Every rank's ``obj`` in rank order on rank 0; None elsewhere."""
+        if not self.distributed:
+            return [obj]
+        out: list[Any] | None = [None] * self.world_size if self.is_coordinator else None
+        dist.gather_object(obj, out, dst=self._global(0), group=self.group)
+        return out
+
+    def run_on_coordinator(self, what: str, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on rank 0 and share its result, or its failure, with every rank.
+
+        See [Note: one decision, every rank]. Rank 0 re-raises the original exception;
+        the others raise a copy of it when it pickles (ckpt's errors do), else a
+        CheckpointError that quotes it.
+        """
+        result: T | None = None
+        failure: Exception | None = None
+        if self.is_coordinator:
+            try:
+                result = fn()
+            except Exception as e:
+                failure = e
+        payload: Any = result
+        if failure is not None:
+            payload = _Failure(failure)
+        shared = self.broadcast(payload)
+        if failure is not None:
+            raise failure
+        if isinstance(shared, _Failure):
+            raise shared.rebuild(what)
+        return shared  # type: ignore[no-any-return]
+
+
+class _Failure:
+    """Rank 0's exception on its way to the other ranks."""
+
+    def __init__(self, error: Exception) -> None:
+        self.text = f"{type(error).__name__}: {error}"
+        try:
+            self.blob: bytes | None = pickle.dumps(error)
+            pickle.loads(self.blob)
+        except Exception:
+            self.blob = None
+
+    def rebuild(self, what: str) -> Exception:
+        if self.blob is not None:
+            error = pickle.loads(self.blob)
+            if isinstance(error, Exception):
+                return error
+        return CheckpointError(f"rank 0 failed to {what}: {self.text}")
+
+
+# One dedicated gloo group per default group for asynchronous saves: their collectives
+# run on a background thread and must never interleave with the training loop's
+# collectives on the default group.
+_async_groups: weakref.WeakKeyDictionary[dist.ProcessGroup, dist.ProcessGroup] = (
+    weakref.WeakKeyDictionary()
+)
+_async_lock = threading.Lock()
+
+
+def async_group() -> dist.ProcessGroup | None:
+    """The checkpointing group for background saves (created on first use, collectively).
+
+    Every rank reaches this from ``async_save`` in the same order, so the collective
+    ``new_group`` call is matched. Returns None without a process group.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    world = dist.group.WORLD
+    assert world is not None
+    with _async_lock:
+        group = _async_groups.get(world)
+        if group is None:
+            group = dist.new_group(backend="gloo")
+            assert group is not None
+            _async_groups[world] = group
+        return group

@@ -1,0 +1,209 @@
+"""The exceptions ckpt raises, one class per thing a user can do something about.
+
+Every class derives from :class:`CheckpointError`, so ``except ckpt.CheckpointError``
+catches all of them; the subclasses carry the details as attributes so a training
+script can react (fall back to an earlier step, report the bad file) without parsing
+messages.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointExistsError",
+    "CorruptCheckpointError",
+    "FileProblem",
+    "NotACheckpointError",
+    "PartialCheckpointError",
+    "ShapeMismatch",
+    "StateDictMismatchError",
+]
+
+# How many keys an error message lists before it says "... and N more".
+_MAX_LISTED = 20
+
+
+def _listing(items: Sequence[str], limit: int = _MAX_LISTED) -> str:
+    shown = ", ".join(items[:limit])
+    if len(items) > limit:
+        shown += f", ... and {len(items) - limit} more"
+    return shown
+
+
+class CheckpointError(RuntimeError):
+    """Base class of every error ckpt raises about a checkpoint or a state.
+
+    Catch this to handle all checkpoint failures in one place, e.g. to fall back to
+    an earlier step when the newest one cannot be loaded.
+    """
+
+
+class NotACheckpointError(CheckpointError):
+    """The path holds no committed ckpt checkpoint.
+
+    Raised by ``load``/``verify`` when the path is missing, is a file, or is a
+    directory without a ckpt manifest, so that a typo in a path never looks like a
+    corrupt checkpoint.
+    """
+
+    def __init__(self, path: Path, reason: str) -> None:
+        self.path = path
+        self.reason = reason
+        super().__init__(f"{path} is not a ckpt checkpoint: {reason}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.path, self.reason))
+
+
+class PartialCheckpointError(NotACheckpointError):
+    """The path was never committed, but an interrupted save left its files beside it.
+
+    A save that was killed before its commit leaves a ``.<name>.partial`` directory;
+    it is never loaded (it may lack files), and the next save to the same path or a
+    :class:`~ckpt.CheckpointManager` save removes it.
+    """
+
+    def __init__(self, path: Path, partial: Path) -> None:
+        self.partial = partial
+        super().__init__(
+            path,
+            f"a save to it was interrupted before its commit and left the uncommitted "
+            f"directory {partial}, which is never loaded; load an earlier checkpoint "
+            f"(CheckpointManager.steps() lists the committed ones) and save again",
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.path, self.partial))
+
+
+class CheckpointExistsError(CheckpointError, FileExistsError):
+    """``save`` was asked to write over something that already exists.
+
+    Saving over a committed checkpoint must be asked for (``overwrite=True``) so that
+    a wrong step number never silently replaces a good checkpoint; anything at the
+    path that is not a ckpt checkpoint is never replaced.
+    """
+
+
+@dataclass(frozen=True)
+class FileProblem:
+    """One file of a checkpoint that does not match its manifest.
+
+    ``kind`` is one of ``"missing"``, ``"unexpected"``, ``"size"``, ``"checksum"``
+    and ``"unreadable"``; ``detail`` says what was expected and what was found.
+    """
+
+    name: str
+    kind: str
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.name}: {self.kind}: {self.detail}"
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A checkpoint's files do not match the manifest written when it was committed.
+
+    Nothing was loaded. ``problems`` names every file that is missing, extra,
+    truncated or altered, so the damage can be located without re-running.
+    """
+
+    def __init__(self, path: Path, problems: Sequence[FileProblem]) -> None:
+        self.path = path
+        self.problems = tuple(problems)
+        lines = "\n".join(f"  {p}" for p in self.problems)
+        super().__init__(
+            f"checkpoint {path} failed verification ({len(self.problems)} problem(s)); "
+            f"nothing was loaded:\n{lines}\n"
+            f"Load an earlier checkpoint or restore these files; pass verify=False only "
+            f"if you know the files are intact."
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.path, self.problems))
+
+
+@dataclass(frozen=True)
+class ShapeMismatch:
+    """One key whose tensor has another global shape in the checkpoint than here."""
+
+    key: str
+    checkpoint_shape: tuple[int, ...]
+    local_shape: tuple[int, ...]
+
+    def __str__(self) -> str:
+        return (
+            f"{self.key}: checkpoint has shape {list(self.checkpoint_shape)}, "
+            f"the state being loaded has {list(self.local_shape)}"
+        )
+
+
+class StateDictMismatchError(CheckpointError):
+    """The checkpoint's keys or shapes do not fit the state it is loaded into.
+
+    Nothing was loaded. ``missing`` are keys the state needs that the checkpoint lacks,
+    ``unexpected`` are keys in the checkpoint no rank asked for, ``shape_mismatches``
+    pair a key with both shapes and ``kind_mismatches`` are keys that are a tensor on
+    one side and a plain object on the other.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        missing: Sequence[str] = (),
+        unexpected: Sequence[str] = (),
+        shape_mismatches: Sequence[ShapeMismatch] = (),
+        kind_mismatches: Sequence[str] = (),
+        other_model: bool = False,
+    ) -> None:
+        self.path = path
+        self.missing = tuple(missing)
+        self.unexpected = tuple(unexpected)
+        self.shape_mismatches = tuple(shape_mismatches)
+        self.kind_mismatches = tuple(kind_mismatches)
+        self.other_model = other_model
+        parts = [f"checkpoint {path} does not fit the state being loaded; nothing was loaded."]
+        if other_model:
+            parts.append(
+                "Most keys differ: this looks like a checkpoint of another model "
+                "(or of the same model under other module names)."
+            )
+        if self.missing:
+            parts.append(
+                f"Missing from the checkpoint ({len(self.missing)}): {_listing(self.missing)}"
+            )
+        if self.unexpected:
+            parts.append(
+                f"Unexpected in the checkpoint ({len(self.unexpected)}): "
+                f"{_listing(self.unexpected)}"
+            )
+        if self.shape_mismatches:
+            shown = [str(m) for m in self.shape_mismatches]
+            parts.append(f"Shape mismatches ({len(shown)}): {_listing(shown, 10)}")
+        if self.kind_mismatches:
+            parts.append(
+                f"Tensor in one, plain object in the other ({len(self.kind_mismatches)}): "
+                f"{_listing(self.kind_mismatches)}"
+            )
+        if (self.missing or self.unexpected) and not self.shape_mismatches and not other_model:
+            parts.append("Pass strict=False to load only the keys both sides have.")
+        super().__init__("\n".join(parts))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        rebuild = functools.partial(
+            type(self),
+            self.path,
+            missing=self.missing,
+            unexpected=self.unexpected,
+            shape_mismatches=self.shape_mismatches,
+            kind_mismatches=self.kind_mismatches,
+            other_model=self.other_model,
+        )
+        return (rebuild, ())

@@ -1,0 +1,93 @@
+"""CheckpointManager in one process: step layout, keep-last-K, latest, leftovers."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import ckpt
+from tests.ckpt._common import assert_same, linear, make_model, make_optimizer, params, train_step
+
+
+def test_keep_last_prunes_only_after_a_commit(tmp_path: Path) -> None:
+    model = make_model(0)
+    optim = make_optimizer(model)
+    manager = ckpt.CheckpointManager(tmp_path / "run", keep_last=2)
+    assert manager.steps() == [] and manager.latest() is None
+    assert manager.load_latest({"model": model}) is None  # fresh start
+
+    snapshots = {}
+    for step in range(1, 5):
+        train_step(model, optim, step)
+        manager.save(step, {"model": model, "optim": optim, "step": step})
+        snapshots[step] = params(model)
+        assert manager.steps() == list(range(max(1, step - 1), step + 1))
+    assert sorted(os.listdir(tmp_path / "run")) == ["step_00000003", "step_00000004"]
+    assert manager.latest() == 4 and manager.path(4) == tmp_path / "run" / "step_00000004"
+
+    fresh = make_model(5)
+    state: dict[str, Any] = {"model": fresh, "optim": make_optimizer(fresh), "step": 0}
+    assert manager.load_latest(state) == 4 and state["step"] == 4
+    assert_same(params(fresh), snapshots[4])
+    assert manager.load(state, step=3) == 3 and state["step"] == 3
+    assert_same(params(fresh), snapshots[3])
+    with pytest.raises(ckpt.NotACheckpointError, match="step_00000001"):
+        manager.load(state, step=1)  # pruned
+
+
+def test_async_saves_prune_after_commit(tmp_path: Path) -> None:
+    model = make_model(0)
+    manager = ckpt.CheckpointManager(tmp_path, keep_last=1)
+    handles = []
+    for step in (10, 20, 30):
+        with torch.no_grad():
+            linear(model, 0).bias.fill_(float(step))
+        handles.append(manager.async_save(step, {"model": model}))
+    assert all(h.done() for h in handles[:-1])  # each save waited for the one before
+    info = manager.wait()
+    assert info is not None and info.path == manager.path(30)
+    assert manager.steps() == [30]
+    fresh = make_model(1)
+    assert manager.load_latest({"model": fresh}) == 30
+    assert torch.equal(linear(fresh, 0).bias, torch.full((12,), 30.0))
+
+
+def test_leftovers_are_reported_ignored_and_cleaned(tmp_path: Path) -> None:
+    model = make_model(0)
+    manager = ckpt.CheckpointManager(tmp_path, keep_last=3)
+    manager.save(1, {"model": model})
+    # What an interrupted save of step 2 leaves: an uncommitted directory.
+    leftover = tmp_path / ".step_00000002.partial"
+    leftover.mkdir()
+    (leftover / "__0_0.distcp").write_bytes(b"half")
+    # A directory under a step name without a manifest is not a checkpoint either.
+    (tmp_path / "step_00000005").mkdir()
+
+    assert manager.steps() == [1] and manager.partial() == [leftover]
+    with pytest.warns(UserWarning, match=r"ignoring .*\.step_00000002\.partial"):
+        assert manager.load_latest({"model": make_model(1)}) == 1
+    with pytest.raises(ckpt.PartialCheckpointError, match="interrupted before its commit"):
+        ckpt.load({"model": model}, manager.path(2))
+
+    with pytest.warns(UserWarning, match="removing .*step_00000002.partial"):
+        manager.save(3, {"model": model})
+    assert manager.partial() == [] and manager.steps() == [1, 3]
+
+
+def test_bad_arguments(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="keep_last must be None"):
+        ckpt.CheckpointManager(tmp_path, keep_last=0)
+    manager = ckpt.CheckpointManager(tmp_path)
+    with pytest.raises(ValueError, match="step must be an int >= 0"):
+        manager.path(-1)
+    with pytest.raises(ckpt.NotACheckpointError, match="no committed step_<N> checkpoint"):
+        manager.load({"model": make_model(0)})
+    manager.save(0, {"model": make_model(0)})
+    with pytest.raises(ckpt.CheckpointExistsError, match="pass overwrite=True"):
+        manager.save(0, {"model": make_model(0)})
+    manager.save(0, {"model": make_model(0)}, overwrite=True)
+    assert manager.steps() == [0] and "keep_last=None" in repr(manager)
