@@ -334,9 +334,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 "a parameter group must have a 'params' key listing its tensors, "
                 "e.g. {'params': layer.parameters(), 'lr': 0.1}"
             )
-        super().add_param_group(param_group)
-        new_params = list(self.param_groups[-1]["params"])
+        ps = param_group["params"]
+        new_params = [ps] if isinstance(ps, Tensor) else list(ps)
         _check_same_dense_type(self._all_params + new_params)
+        super().add_param_group({**param_group, "params": new_params})
         self._all_params += new_params
         self._trainable = self._trainable_mask()
         old = self._partition
