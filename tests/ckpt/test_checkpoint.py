@@ -259,3 +259,38 @@ def test_single_process_save_is_silent(tmp_path: Path) -> None:
         warnings.simplefilter("error")
         ckpt.save({"model": make_model(0)}, tmp_path / "c")
         ckpt.load({"model": make_model(1)}, tmp_path / "c")
+
+
+class _Counter:
+    """An object ckpt knows nothing about until an adapter is registered for it."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.loaded_from_world_size: int | None = None
+
+
+class _CounterAdapter:
+    def applies_to(self, obj: object, ctx: ckpt.StateContext) -> bool:
+        return isinstance(obj, _Counter)
+
+    def state_dict(self, obj: _Counter, ctx: ckpt.StateContext) -> dict[str, Any]:
+        if ctx.manifest is not None:  # loading: the saved checkpoint's manifest
+            obj.loaded_from_world_size = ctx.manifest.world_size
+        return {"count": torch.tensor(obj.count)}
+
+    def load_state_dict(
+        self, obj: _Counter, state_dict: dict[str, Any], ctx: ckpt.StateContext
+    ) -> None:
+        obj.count = int(state_dict["count"].item())
+
+
+def test_registered_adapters_plug_in(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match=r"has no method applies_to\(\)"):
+        ckpt.register_adapter(object())  # type: ignore[arg-type]
+    ckpt.register_adapter(_CounterAdapter())
+    ckpt.save({"counter": _Counter(41)}, tmp_path / "c")
+    keys = set(FileSystemReader(str(tmp_path / "c")).read_metadata().state_dict_metadata)
+    assert keys == {"counter.count"}
+    counter = _Counter(0)
+    ckpt.load({"counter": counter}, tmp_path / "c")
+    assert counter.count == 41 and counter.loaded_from_world_size == 1

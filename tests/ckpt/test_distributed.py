@@ -130,3 +130,51 @@ def test_ddp_round_trip(tmp_path: Path, world_size: int) -> None:
     if world_size == 1:
         train_step(model, optim, 3)
         assert_same(params(model), first["expected"])
+
+
+# ------------------------------------------------- the adapter protocol, resharded
+# What fsdp (DTensor shards) and zero_optim (each rank holds the state of the
+# parameters it owns, under rank-unique keys) will hand to ckpt, saved on 2 ranks
+# and loaded on 4.
+
+_FULL = torch.arange(48.0).reshape(12, 4)
+
+
+def _sharded_state(fill: bool) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    full = _FULL if fill else torch.zeros_like(_FULL)
+    owned = {f"p{i}": torch.full((3,), float(i) if fill else -1.0) for i in range(8)}
+    return {
+        "model": {"w": distribute_tensor(full, mesh, [Shard(0)])},
+        "optim": {k: v for i, (k, v) in enumerate(owned.items()) if i % world == rank},
+    }
+
+
+def _rank_save_sharded(path: str) -> list[str]:
+    info = ckpt.save(_sharded_state(fill=True), path)
+    assert info.manifest is not None
+    return [f.name for f in info.manifest.files]
+
+
+def _rank_load_sharded(path: str) -> None:
+    state = _sharded_state(fill=False)
+    ckpt.load(state, path)
+    assert torch.equal(state["model"]["w"].full_tensor(), _FULL)
+    for key, value in state["optim"].items():
+        assert torch.equal(value, torch.full((3,), float(key[1:]))), key
+
+    # Keys no rank asks for are unexpected; those some rank asks for are not.
+    state = _sharded_state(fill=False)
+    state["optim"].pop("p7", None)  # on 4 ranks, rank 3 owns p3 and p7: now no one has p7
+    err = _expect_error(ckpt.StateDictMismatchError, ckpt.load, state, path)
+    assert err.unexpected == ("optim.p7",) and err.missing == ()  # type: ignore[attr-defined]
+
+
+def test_sharded_and_rank_unique_state_reshards_from_2_to_4_ranks(tmp_path: Path) -> None:
+    files = run_ranks(_rank_save_sharded, 2, str(tmp_path / "c"))[0]
+    assert files == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    run_ranks(_rank_load_sharded, 4, str(tmp_path / "c"))

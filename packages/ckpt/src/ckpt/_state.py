@@ -22,7 +22,9 @@ the template DCP fills in place (tensors must already have their final global sh
 and dtypes), and ``load_state_dict(obj, filled, ctx)`` then applies it. Keys must be
 stable across world sizes and wrappers (parameter FQNs), values under the same key on
 several ranks must be equal (DCP keeps one copy), and both calls run on every rank in
-the same order (they may use collectives). This is how ``fsdp`` models and
+the same order (they may use collectives). At load, ``ctx.manifest`` tells the
+adapter what was saved (e.g. ``world_size``, for a layout that only loads at the world
+size that wrote it). This is how ``fsdp`` models and
 ``zero_optim`` optimizers plug in: an adapter whose ``applies_to`` recognises them,
 registered with :func:`register_adapter`.
 """
@@ -46,6 +48,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
+from ckpt._manifest import Manifest
+
 __all__ = [
     "StateAdapter",
     "StateContext",
@@ -62,6 +66,9 @@ class StateContext:
 
     state: Mapping[str, Any]  # the user's whole state dict, as passed to save/load
     process_group: dist.ProcessGroup | None  # the group the checkpoint is saved/loaded on
+    # On load, the manifest of the checkpoint being read (its world_size, files); None
+    # at save, and for a plain DCP directory loaded with verify=False.
+    manifest: Manifest | None = None
     _owners: dict[int, nn.Module] = field(default_factory=dict, compare=False, repr=False)
 
     def module_for(self, optimizer: torch.optim.Optimizer) -> nn.Module:
@@ -196,11 +203,13 @@ def _check_keys(state: Mapping[str, Any]) -> None:
 
 
 def to_state_dict(
-    state: Mapping[str, Any], process_group: dist.ProcessGroup | None
+    state: Mapping[str, Any],
+    process_group: dist.ProcessGroup | None,
+    manifest: Manifest | None = None,
 ) -> tuple[dict[str, Any], StateContext]:
     """The DCP state dict for ``state``: stateful values replaced by their state dicts."""
     _check_keys(state)
-    ctx = StateContext(state=state, process_group=process_group)
+    ctx = StateContext(state=state, process_group=process_group, manifest=manifest)
     out: dict[str, Any] = {}
     for key, value in state.items():
         adapter = adapter_for(value, ctx)
