@@ -79,6 +79,7 @@ from typing import IO, Any, TypeVar
 __all__ = [
     "BACKEND_ENV",
     "PRELOAD",
+    "SHOW_OUTPUT_ENV",
     "RankFailure",
     "run_ranks",
     "shutdown",

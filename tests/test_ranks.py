@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.ranks import BACKEND_ENV, RankFailure, run_ranks
+from tests.ranks import BACKEND_ENV, SHOW_OUTPUT_ENV, RankFailure, run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -258,14 +258,23 @@ def _children(pid: int) -> list[int]:
     return found
 
 
-def test_ranks_die_with_a_killed_test_process() -> None:
-    """A test process killed outright (SIGKILL, pytest-timeout's os._exit) leaves no rank."""
-    # The stand-in test process imports neither torch nor this module, and its
-    # forkserver preloads only what a rank needs: this test costs one torch import.
+def test_shutdown_then_ranks_die_with_a_killed_test_process(tmp_path: Path) -> None:
+    """shutdown() ends the forkserver; a test process killed outright leaves no rank.
+
+    Runs in a stand-in test process, killed with SIGKILL as pytest-timeout's
+    thread method or an OOM killer would. It imports neither torch nor this
+    module, and its forkserver preloads only what a rank needs.
+    """
     script = textwrap.dedent(
-        """
+        f"""
         import time
+        from pathlib import Path
         import tests.ranks as ranks
+        ranks.PRELOAD = ()  # a forkserver that starts in milliseconds
+        ranks.warm_up()
+        server = ranks._server()._forkserver_pid
+        ranks.shutdown()
+        Path({str(tmp_path / "first")!r}).write_text(str(server))
         ranks.PRELOAD = ("torch.distributed", "tests.ranks")
         ranks.run_ranks(time.sleep, 2, 600, timeout=600)
         """
@@ -274,11 +283,13 @@ def test_ranks_die_with_a_killed_test_process() -> None:
     try:
         deadline = time.monotonic() + 60
         ranks: list[int] = []
-        while len(ranks) < 2:  # the forkserver's children are the ranks
+        while len(ranks) < 2:  # the second forkserver's children are the blocked ranks
             assert child.poll() is None, "the stand-in test process died early"
             assert time.monotonic() < deadline, "the ranks never started"
             time.sleep(0.05)
-            ranks = [pid for server in _children(child.pid) for pid in _children(server)]
+            if (tmp_path / "first").exists():
+                ranks = [pid for server in _children(child.pid) for pid in _children(server)]
+        assert not _alive(int((tmp_path / "first").read_text()))  # shutdown() ended it
     finally:
         child.kill()
         child.wait()
@@ -286,6 +297,16 @@ def test_ranks_die_with_a_killed_test_process() -> None:
     while any(_alive(pid) for pid in ranks) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(_alive(pid) for pid in ranks)
+
+
+def test_show_output_prints_every_rank_after_success(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert run_ranks(_raise_on_rank_one, 1) == [0]
+    assert capsys.readouterr().out == ""  # quiet by default
+    monkeypatch.setenv(SHOW_OUTPUT_ENV, "1")
+    assert run_ranks(_raise_on_rank_one, 1) == [0]
+    assert capsys.readouterr().out == "----- rank 0 stdout/stderr -----\nhello from rank 0\n"
 
 
 def test_ranks_see_the_environment_of_the_call(monkeypatch: pytest.MonkeyPatch) -> None:
