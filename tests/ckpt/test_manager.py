@@ -91,3 +91,20 @@ def test_bad_arguments(tmp_path: Path) -> None:
         manager.save(0, {"model": make_model(0)})
     manager.save(0, {"model": make_model(0)}, overwrite=True)
     assert manager.steps() == [0] and "keep_last=None" in repr(manager)
+
+
+def test_interrupted_overwrite_keeps_the_only_copy(tmp_path: Path) -> None:
+    model = make_model(0)
+    manager = ckpt.CheckpointManager(tmp_path, keep_last=5)
+    manager.save(5, {"model": model})
+    # A kill between the two renames of an overwrite leaves the old copy aside.
+    old = tmp_path / ".step_00000005.old"
+    manager.path(5).rename(old)
+    with pytest.raises(ckpt.NotACheckpointError, match="interrupted between its two renames"):
+        ckpt.load({"model": model}, manager.path(5))
+    manager.save(6, {"model": model})
+    assert manager.partial() == [old]  # reported, not deleted: it is step 5's only copy
+    old.rename(manager.path(5))
+    fresh = make_model(1)
+    assert manager.load({"model": fresh}, step=5) == 5
+    assert_same(params(fresh), params(model))

@@ -49,9 +49,15 @@ class Comm:
                     "call init_process_group first or pass process_group=None"
                 )
             return cls(group=None, rank=0, world_size=1, distributed=False)
+        rank = dist.get_rank(group)
+        if rank < 0:
+            raise ValueError(
+                f"this process (global rank {dist.get_rank()}) is not a member of the "
+                f"process_group it was given; call ckpt only on the group's ranks"
+            )
         return cls(
             group=group,
-            rank=dist.get_rank(group),
+            rank=rank,
             world_size=dist.get_world_size(group),
             distributed=True,
         )

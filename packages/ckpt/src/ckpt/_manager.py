@@ -105,7 +105,10 @@ class CheckpointManager:
     def _prune(self) -> None:
         """Rank 0, after a commit: drop leftovers and all but the newest ``keep_last``."""
         for leftover in self.partial():
-            if leftover.name.endswith(".partial") and _STEP_DIR.match(leftover.name[1:-8]):
+            name, _, kind = leftover.name[1:].rpartition(".")
+            if kind == "old" and not (self.root / name).exists():
+                continue  # an interrupted overwrite: the only copy of that step; keep it
+            if kind == "partial":
                 warnings.warn(
                     f"ckpt: removing {leftover}, left by a save that was interrupted before "
                     f"its commit",
