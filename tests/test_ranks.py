@@ -338,10 +338,16 @@ def test_unpicklable_result_names_the_problem() -> None:
         run_ranks(_return_unpicklable, 1)
 
 
-@pytest.mark.parametrize("world_size", [0, -1, 2.0])
+@pytest.mark.parametrize("world_size", [0, -1, 2.0, True])
 def test_bad_world_size_is_refused(world_size: int) -> None:
     with pytest.raises(ValueError, match="world_size must be a positive int"):
         run_ranks(_trivial, world_size)
+
+
+@pytest.mark.parametrize("timeout", [0, -1.0, float("inf"), float("nan")])
+def test_bad_timeout_is_refused(timeout: float) -> None:
+    with pytest.raises(ValueError, match="timeout must be a positive, finite number"):
+        run_ranks(_trivial, 1, timeout=timeout)
 
 
 def test_backend_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
