@@ -37,7 +37,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     (e.g. only single-process tests selected), no forkserver is started at all.
     Otherwise its few seconds of imports overlap with the tests that run first.
     """
-    if "tests.ranks" in sys.modules and session.items:
+    if "tests.ranks" in sys.modules and session.items and not session.config.option.collectonly:
         from tests.ranks import warm_up
 
         warm_up()

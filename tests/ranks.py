@@ -284,8 +284,17 @@ def run_ranks(
     return results
 
 
+_ROOT = str(Path(__file__).resolve().parents[1])  # the folder that holds the tests package
+
+
 def _context() -> multiprocessing.context.BaseContext:
     """The forkserver context, with our preload list set for its next start."""
+    # The forkserver and the ranks take sys.path from this process; with
+    # pytest's importlib import mode the tests package is not on it, and they
+    # could not import this module (or the tests) by name. Appended, so it
+    # shadows nothing installed.
+    if _ROOT not in sys.path:
+        sys.path.append(_ROOT)
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(list(PRELOAD))
     return ctx
