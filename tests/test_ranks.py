@@ -279,7 +279,9 @@ def test_shutdown_then_ranks_die_with_a_killed_test_process(tmp_path: Path) -> N
         ranks.run_ranks(time.sleep, 2, 600, timeout=600)
         """
     )
-    child = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT)
+    # its per-call folder, which a killed process cannot remove, goes to tmp_path
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    child = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env=env)
     try:
         deadline = time.monotonic() + 60
         ranks: list[int] = []
