@@ -1,5 +1,21 @@
-"""fsdp: see the package README; the public API lands with its issue."""
+"""fsdp: FullyShardedDataParallel, a drop-in for torch's FSDP1 wrapper.
 
+``from fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy`` replaces
+``from torch.distributed.fsdp import ...``; the wrap policies are in
+:mod:`fsdp.wrap`. See the package README for the design.
+"""
+
+from fsdp._common import TrainingState
 from fsdp._version import __version__
+from fsdp.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from fsdp.fully_sharded_data_parallel import FullyShardedDataParallel
 
-__all__ = ["__version__"]
+__all__ = [
+    "BackwardPrefetch",
+    "CPUOffload",
+    "FullyShardedDataParallel",
+    "MixedPrecision",
+    "ShardingStrategy",
+    "TrainingState",
+    "__version__",
+]

@@ -1,0 +1,120 @@
+"""Names, the instance-level training state, and helpers over nested tensors.
+
+Everything here is shared by the other modules and depends on none of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from collections.abc import Callable
+from enum import Enum, auto
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.nn.utils.rnn import PackedSequence
+
+__all__ = [
+    "FLAT_PARAM",
+    "FSDP_PREFIX",
+    "FSDP_WRAPPED_MODULE",
+    "TrainingState",
+    "apply_to_tensors",
+    "cast_floating_tensors",
+    "clean_fqn",
+    "move_tensors_to_device",
+]
+
+FSDP_WRAPPED_MODULE = "_fsdp_wrapped_module"
+"""Attribute under which an FSDP instance holds the module it wraps (as torch's does)."""
+FSDP_PREFIX = FSDP_WRAPPED_MODULE + "."
+"""What an FSDP instance inserts into the names of everything below it."""
+FLAT_PARAM = "_flat_param"
+"""Name of the FlatParameter registered on an FSDP instance (as torch's does)."""
+
+
+class TrainingState(Enum):
+    """What an FSDP instance is doing; public methods check it before acting."""
+
+    IDLE = auto()
+    """Between steps: no forward or backward in flight, parameters sharded (or
+    kept gathered after a forward whose backward has not run yet)."""
+    FORWARD_BACKWARD = auto()
+    """Inside this instance's forward, or inside a backward pass that reached it."""
+    SUMMON_FULL_PARAMS = auto()
+    """Inside ``summon_full_params`` (or ``apply`` or ``state_dict``): the original
+    parameters are registered on their modules as full tensors."""
+
+
+def clean_fqn(name: str) -> str:
+    """A name with every FSDP wrapper level removed: the unwrapped model's name."""
+    return name.replace(FSDP_PREFIX, "")
+
+
+def apply_to_tensors(fn: Callable[[Tensor], Tensor], obj: Any) -> Any:
+    """Apply ``fn`` to every tensor in a nested structure, rebuilding the structure.
+
+    Forward inputs and outputs come as tuples, lists, dicts, named tuples,
+    dataclasses (Hugging Face ``ModelOutput`` is both an OrderedDict and a
+    dataclass) and ``PackedSequence``; anything else is returned as is.
+    """
+    if isinstance(obj, Tensor):
+        return fn(obj)
+    if isinstance(obj, PackedSequence):
+        return PackedSequence(
+            fn(obj.data), obj.batch_sizes, obj.sorted_indices, obj.unsorted_indices
+        )
+    if isinstance(obj, OrderedDict) and hasattr(type(obj), "__dataclass_fields__"):
+        # e.g. ModelOutput: keep the type, update in place like its own setters do.
+        for key in list(obj.keys()):
+            obj[key] = apply_to_tensors(fn, obj[key])
+        return obj
+    if isinstance(obj, dict):
+        items = [(k, apply_to_tensors(fn, v)) for k, v in obj.items()]
+        try:
+            return type(obj)(items)
+        except TypeError:
+            return dict(items)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        changes = {
+            f.name: apply_to_tensors(fn, getattr(obj, f.name))
+            for f in dataclasses.fields(obj)
+            if f.init
+        }
+        return dataclasses.replace(obj, **changes)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # named tuple
+        return type(obj)(*(apply_to_tensors(fn, v) for v in obj))
+    if isinstance(obj, (list, tuple, set)):
+        return type(obj)(apply_to_tensors(fn, v) for v in obj)
+    return obj
+
+
+def cast_floating_tensors(dtype: torch.dtype | None, args: Any, kwargs: Any) -> tuple[Any, Any]:
+    """Cast the floating-point tensors in ``args``/``kwargs`` to ``dtype``.
+
+    How mixed precision makes a unit's inputs match its compute dtype; integer
+    tensors (token ids, masks) are left alone, and ``dtype=None`` is a no-op.
+    """
+    if dtype is None:
+        return args, kwargs
+
+    def cast(t: Tensor) -> Tensor:
+        if not torch.is_floating_point(t) or t.dtype == dtype:
+            return t
+        return t.to(dtype)
+
+    return apply_to_tensors(cast, args), apply_to_tensors(cast, kwargs)
+
+
+def move_tensors_to_device(device: torch.device, args: Any, kwargs: Any) -> tuple[Any, Any]:
+    """Move the tensors in ``args``/``kwargs`` to ``device`` (the root does this).
+
+    FSDP documents that inputs are moved to the compute device for the user;
+    on a CPU-only run this is a no-op.
+    """
+
+    def move(t: Tensor) -> Tensor:
+        return t if t.device == device else t.to(device, non_blocking=True)
+
+    return apply_to_tensors(move, args), apply_to_tensors(move, kwargs)

@@ -1,0 +1,502 @@
+"""The life of one FlatParameter: its sharded, gathered and gradient storage.
+
+One FSDP instance manages at most one :class:`FlatParamUnit`. The unit owns
+every tensor that belongs to its parameters and the transitions between their
+forms (:class:`ShardState`); the FSDP state (``_fsdp_state.py``) decides *when*
+to call them from its hooks, and the collectives (``_collectives.py``) do the
+communication.
+
+[Note: storage forms]
+For a unit whose parameters are ``p_0 .. p_{n-1}`` (``full_numel`` elements in
+all, laid out as in [Note: flat parameter views] of flatparam) over
+``world_size`` ranks with the :class:`~flatparam.ShardLayout` ``layout``:
+
+- ``flat_param``: the FlatParameter registered on the FSDP instance as
+  ``_flat_param``; what ``parameters()`` yields and the optimizer steps. It
+  always holds this rank's chunk of the padded flat tensor::
+
+      flat_param == padded[layout.bounds(rank)[0] : layout.bounds(rank)[1]]   # 1D, shard_numel
+
+  in the original dtype, on the compute device (or on the CPU with
+  ``CPUOffload(offload_params=True)``). Its ``.grad`` is only ever the reduced
+  sharded gradient, laid out the same way. It is never swapped for the
+  unsharded data (unlike torch's FSDP), so its shape, dtype and device never
+  change under the optimizer.
+- ``_padded_unsharded``: the all-gather output, ``padded_numel`` elements in
+  the compute dtype (``MixedPrecision.param_dtype``) on the compute device.
+  Its storage is freed (resized to 0 bytes) while the unit is SHARDED and
+  reallocated before each all-gather; see [Note: storage resizing and autograd].
+- ``_compute_param``: the autograd leaf that forward and backward use, a
+  ``full_numel`` alias of ``_padded_unsharded[:full_numel]``. The modules'
+  parameter attributes are views of it (``FlatParameter.get_param_views``), so
+  every use of a parameter in forward sends its gradient into
+  ``_compute_param.grad`` (1D, ``full_numel``, compute dtype).
+- ``_placeholders``: between uses the modules' parameter attributes hold
+  ``meta`` tensors of the right shape and dtype: printing a model works, while
+  computing with an ungathered parameter fails loudly instead of reading freed
+  memory. Use ``summon_full_params`` to see real values.
+
+When nothing needs gathering or casting (``NO_SHARD`` or one rank, no mixed
+precision, no offload) the unit is *aliased*: ``_compute_param`` is
+``flat_param`` itself, no extra storage exists, gradients accumulate straight
+into ``flat_param.grad`` and are all-reduced in place, as in DDP.
+
+[Note: storage resizing and autograd]
+Autograd saves, for backward, the parameter views a forward used. FULL_SHARD
+frees the gathered data after the forward and gathers it again before the
+backward, so the saved views must see the new data. They do because freeing
+and reallocating act on the *storage* (``untyped_storage().resize_``), which
+the views, ``_compute_param`` and ``_padded_unsharded`` all share, never on
+the tensors: the same view objects simply point at refilled memory.
+
+Writing the all-gather into ``_padded_unsharded`` must not bump the version
+counter that autograd checks on the saved views (it would report "modified by
+an inplace operation"). ``_compute_param`` gets its storage through ``.data``
+assignment, which keeps its own version counter instead of sharing
+``_padded_unsharded``'s, and its views share ``_compute_param``'s; the
+all-gather only bumps ``_padded_unsharded``'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import Enum, auto
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from flatparam import (
+    FlatParameter,
+    ParamInfo,
+    ShardLayout,
+    SharedParamInfo,
+    pad_flat,
+    shard_flat,
+    unpad_flat,
+)
+from fsdp._collectives import (
+    PendingCollective,
+    all_gather_into,
+    all_reduce_inplace,
+    gradient_divide_factors,
+    reduce_scatter_into,
+)
+
+__all__ = ["FlatParamUnit", "PendingReduce", "ShardState", "UnitConfig"]
+
+
+class ShardState(Enum):
+    """Which form the unit's parameters are in (see [Note: storage forms])."""
+
+    SHARDED = auto()
+    """Only ``flat_param`` (this rank's chunk) exists; gathered storage is freed
+    and the modules hold meta placeholders."""
+    UNSHARDING = auto()
+    """The all-gather into the gathered storage is issued but not waited for:
+    nobody may read the gathered data or free it yet."""
+    UNSHARDED = auto()
+    """The gathered storage holds every rank's data; the modules hold views of
+    ``_compute_param``."""
+
+
+@dataclass(frozen=True)
+class UnitConfig:
+    """How one unit is sharded and computed; fixed at construction."""
+
+    group: Any  # dist.ProcessGroup the unit is sharded over
+    rank: int  # this rank in ``group``
+    world_size: int  # ranks in ``group``
+    shard: bool  # split the flat parameter over the group (False: NO_SHARD)
+    reshard_after_forward: bool  # free the gathered parameters after forward (FULL_SHARD)
+    compute_device: torch.device  # where forward/backward run
+    param_dtype: torch.dtype | None  # MixedPrecision.param_dtype
+    reduce_dtype: torch.dtype | None  # MixedPrecision.reduce_dtype
+    keep_low_precision_grads: bool
+    offload_params: bool  # CPUOffload.offload_params
+
+
+@dataclass
+class PendingReduce:
+    """A gradient reduction in flight; :meth:`FlatParamUnit.finish_reduce_grad` completes it."""
+
+    unit: FlatParamUnit
+    collective: PendingCollective
+    output: Tensor  # 1D: the reduced gradient (sharded, or full for NO_SHARD), reduce dtype
+    postdivide: float  # divide ``output`` by this after the collective (1.0: nothing)
+    in_place: bool  # ``output`` is ``flat_param.grad`` itself (aliased NO_SHARD)
+
+
+class FlatParamUnit:
+    """One FlatParameter with its gathered form, gradient reduction and views.
+
+    Built from the original parameters of the modules the unit covers; it
+    flattens and shards them (with flatparam), removes them from their modules
+    and from then on provides the parameters to those modules only as views of
+    gathered data during forward and backward.
+    """
+
+    flat_param: FlatParameter  # 1D [shard_numel] orig dtype (see [Note: storage forms])
+    layout: ShardLayout  # over config.world_size if sharded, else over 1 rank
+    config: UnitConfig
+    state: ShardState
+    orig_dtype: torch.dtype  # dtype of the original parameters and of flat_param
+    compute_dtype: torch.dtype  # dtype of the gathered parameters
+    reduce_dtype: torch.dtype  # dtype of the gradient reduction
+    aliased: bool  # _compute_param is flat_param (nothing to gather or cast)
+    _padded_unsharded: Tensor | None  # 1D [padded_numel] compute dtype; None when aliased
+    _compute_param: Tensor  # 1D [full_numel] compute dtype, autograd leaf
+    _pending_unshard: PendingCollective | None  # the all-gather while UNSHARDING
+    _placeholders: list[Tensor]  # meta tensors, one per original parameter
+    _divide: tuple[float, float]  # (pre, post) gradient division factors
+
+    def __init__(
+        self,
+        infos: Sequence[ParamInfo],
+        params: Sequence[nn.Parameter],
+        shared_infos: Sequence[SharedParamInfo],
+        config: UnitConfig,
+    ) -> None:
+        if len(infos) != len(params) or not params:
+            raise ValueError("FlatParamUnit needs one ParamInfo per parameter, at least one")
+        self.config = config
+        requires_grad = params[0].requires_grad
+        flat = FlatParameter(list(params), requires_grad=requires_grad)
+        flat._param_infos = list(infos)
+        flat._shared_param_infos = list(shared_infos)
+        self.orig_dtype = flat.dtype
+        self.compute_dtype = config.param_dtype or self.orig_dtype
+        if config.param_dtype is not None and config.reduce_dtype is None:
+            self.reduce_dtype = config.param_dtype
+        else:
+            self.reduce_dtype = config.reduce_dtype or self.orig_dtype
+        shard_world = config.world_size if config.shard else 1
+        rank = config.rank if config.shard else 0
+        self.layout = flat.layout_for(shard_world)
+        if config.shard:
+            flat.apply_shard_layout(self.layout, rank)
+        sharded_data = shard_flat(flat.detach(), self.layout, rank) if config.shard else flat.data
+        param_device = torch.device("cpu") if config.offload_params else config.compute_device
+        flat.data = sharded_data.to(param_device)
+        self.flat_param = flat
+        self._placeholders = [
+            torch.empty(p.shape, dtype=self.compute_dtype, device="meta") for p in params
+        ]
+        # The modules no longer own the originals: from now on they see views or placeholders.
+        for info in infos:
+            info.module._parameters.pop(info.param_name, None)
+        for shared in shared_infos:
+            shared.module._parameters.pop(shared.param_name, None)
+        for p in params:
+            p._fsdp_replaced = True  # type: ignore[attr-defined]  # see _init.install_optimizer_check
+        flat._fsdp_flattened = True  # type: ignore[attr-defined]  # wrap.py: not counted again
+        self.aliased = (
+            not config.shard and self.compute_dtype == self.orig_dtype and not config.offload_params
+        )
+        self._pending_unshard = None
+        self._divide = gradient_divide_factors(config.world_size)
+        if self.aliased:
+            self._padded_unsharded = None
+            self._compute_param = flat
+        else:
+            padded = torch.empty(
+                self.layout.padded_numel, dtype=self.compute_dtype, device=config.compute_device
+            )
+            compute = torch.empty(0, dtype=self.compute_dtype, device=config.compute_device)
+            # .data assignment: see [Note: storage resizing and autograd] for why not a view.
+            compute.data = unpad_flat(padded, self.layout)
+            compute.requires_grad_(requires_grad)
+            self._padded_unsharded = padded
+            self._compute_param = compute
+            _free_storage(padded)
+        self.state = ShardState.SHARDED
+        self._use_placeholders()
+
+    # --- introspection --------------------------------------------------------------------
+
+    @property
+    def compute_param(self) -> Tensor:
+        """The autograd leaf of forward/backward (1D, ``full_numel``); [Note: storage forms]."""
+        return self._compute_param
+
+    @property
+    def requires_grad(self) -> bool:
+        """Whether the unit's parameters are trainable (all or none, by construction)."""
+        return self.flat_param.requires_grad
+
+    def unsharded_storage_bytes(self) -> int:
+        """Bytes of gathered parameter storage this unit holds right now (0 when SHARDED)."""
+        if self._padded_unsharded is None:
+            return 0
+        return int(self._padded_unsharded.untyped_storage().nbytes())
+
+    def iter_param_infos(self) -> Sequence[ParamInfo]:
+        """Where each original parameter lived (module, name), in flat order."""
+        return self.flat_param._param_infos
+
+    # --- SHARDED -> UNSHARDING -> UNSHARDED -> SHARDED ------------------------------------
+
+    def unshard(self) -> None:
+        """Start gathering the parameters (SHARDED -> UNSHARDING); no-op otherwise.
+
+        Returns as soon as the all-gather is issued; :meth:`wait_for_unshard`
+        must run before the gathered data is used.
+        """
+        if self.state is not ShardState.SHARDED:
+            return
+        if self.aliased:
+            self.state = ShardState.UNSHARDED
+            return
+        padded = self._padded_unsharded
+        assert padded is not None
+        _alloc_storage(padded, self.layout.padded_numel)
+        if not self.config.shard:
+            padded.copy_(self.flat_param.detach())  # cast and/or host-to-device copy
+            self._pending_unshard = PendingCollective(None)
+        else:
+            self._pending_unshard = all_gather_into(
+                padded, self._all_gather_input(), self.config.group
+            )
+        self.state = ShardState.UNSHARDING
+
+    def _all_gather_input(self) -> Tensor:
+        """This rank's chunk, on the compute device, in the compute dtype."""
+        shard = self.flat_param.detach()
+        if self.config.offload_params:
+            # Always a fresh device-side copy: the bookkeeping is the same whether the
+            # compute device is a GPU or (in CPU-only tests) the CPU itself.
+            dev = torch.empty(
+                shard.shape, dtype=self.compute_dtype, device=self.config.compute_device
+            )
+            dev.copy_(shard, non_blocking=True)
+            return dev
+        if shard.dtype != self.compute_dtype:
+            return shard.to(self.compute_dtype)
+        return shard
+
+    def wait_for_unshard(self) -> None:
+        """Finish the gather (UNSHARDING -> UNSHARDED); the unit must not be SHARDED."""
+        if self.state is ShardState.UNSHARDING:
+            assert self._pending_unshard is not None
+            self._pending_unshard.wait()
+            self._pending_unshard = None
+            self.state = ShardState.UNSHARDED
+        if self.state is not ShardState.UNSHARDED:
+            raise AssertionError(
+                f"wait_for_unshard in state {self.state.name}; call unshard() first"
+            )
+
+    def use_unsharded_views(self) -> None:
+        """Point every original parameter attribute at its view of ``_compute_param``.
+
+        Made afresh at every forward (and pre-backward) so that views created
+        with gradients enabled carry autograd history to ``_compute_param``.
+        """
+        if self.state is not ShardState.UNSHARDED:
+            raise AssertionError(f"use_unsharded_views in state {self.state.name}")
+        flat = self.flat_param
+        data = None if self.aliased else self._compute_param
+        views = list(flat.get_param_views(external_data=data))
+        for info, view in zip(flat._param_infos, views, strict=True):
+            info.module.__dict__[info.param_name] = view
+        if flat._shared_param_infos:
+            by_module = {
+                (id(i.module), i.param_name): v
+                for i, v in zip(flat._param_infos, views, strict=True)
+            }
+            for s in flat._shared_param_infos:
+                s.module.__dict__[s.param_name] = by_module[(id(s.prim_module), s.prim_param_name)]
+
+    def _use_placeholders(self) -> None:
+        flat = self.flat_param
+        for info, ph in zip(flat._param_infos, self._placeholders, strict=True):
+            info.module.__dict__[info.param_name] = ph
+        if flat._shared_param_infos:
+            by_module = {
+                (id(i.module), i.param_name): ph
+                for i, ph in zip(flat._param_infos, self._placeholders, strict=True)
+            }
+            for s in flat._shared_param_infos:
+                s.module.__dict__[s.param_name] = by_module[(id(s.prim_module), s.prim_param_name)]
+
+    def reshard(self) -> None:
+        """Free the gathered parameters (-> SHARDED); waits for an in-flight gather first."""
+        if self.state is ShardState.SHARDED:
+            return
+        if self.state is ShardState.UNSHARDING:
+            self.wait_for_unshard()  # never free memory a collective is writing into
+        self._use_placeholders()
+        if self._padded_unsharded is not None:
+            _free_storage(self._padded_unsharded)
+        self.state = ShardState.SHARDED
+
+    # --- gradients -------------------------------------------------------------------------
+
+    def has_unreduced_grad(self) -> bool:
+        """Whether backward left a gradient on ``_compute_param`` (not yet reduced)."""
+        if self.aliased:
+            return self.flat_param.grad is not None
+        return self._compute_param.grad is not None
+
+    def reduce_grad(
+        self,
+        comm_hook: Callable[..., Any] | None = None,
+        comm_hook_state: object = None,
+        hook_casts: bool = False,
+    ) -> PendingReduce | None:
+        """Start reducing the gradient backward produced; ``None`` if there is none.
+
+        Sharded units reduce-scatter the padded full gradient into a new shard;
+        ``NO_SHARD`` units all-reduce it. Averaging over ranks is split into a
+        pre- and post-division (:func:`~fsdp._collectives.gradient_divide_factors`).
+        A registered communication hook replaces the collective and the
+        division and runs synchronously (``hook_casts``: the hook handles low
+        precision itself, so the gradient is not cast to the reduce dtype).
+        Call :meth:`finish_reduce_grad` on the result.
+        """
+        cfg = self.config
+        pre, post = self._divide
+        if self.aliased:
+            grad = self.flat_param.grad
+            if grad is None:
+                return None
+            if comm_hook is not None:
+                comm_hook(comm_hook_state, grad)
+                return PendingReduce(self, PendingCollective(None), grad, 1.0, in_place=True)
+            if cfg.world_size == 1:
+                return None
+            _div_(grad, pre)
+            pending = all_reduce_inplace(grad, cfg.group, cfg.world_size)
+            return PendingReduce(self, pending, grad, post, in_place=True)
+        grad = self._compute_param.grad
+        if grad is None:
+            return None
+        self._compute_param.grad = None
+        if grad.dtype != self.reduce_dtype and not hook_casts:
+            grad = grad.to(self.reduce_dtype)
+        if not cfg.shard:
+            if comm_hook is not None:
+                comm_hook(comm_hook_state, grad)
+                return PendingReduce(self, PendingCollective(None), grad, 1.0, in_place=False)
+            if cfg.world_size == 1:
+                return PendingReduce(self, PendingCollective(None), grad, 1.0, in_place=False)
+            _div_(grad, pre)
+            pending = all_reduce_inplace(grad, cfg.group, cfg.world_size)
+            return PendingReduce(self, pending, grad, post, in_place=False)
+        padded = grad if self.layout.padded_numel == grad.numel() else pad_flat(grad, self.layout)
+        output = torch.empty(self.layout.shard_numel, dtype=padded.dtype, device=padded.device)
+        if comm_hook is not None:
+            comm_hook(comm_hook_state, padded, output)
+            return PendingReduce(self, PendingCollective(None), output, 1.0, in_place=False)
+        _div_(padded, pre)
+        pending = reduce_scatter_into(output, padded, cfg.group)
+        return PendingReduce(self, pending, output, post, in_place=False)
+
+    def finish_reduce_grad(self, reduce: PendingReduce) -> None:
+        """Wait for a reduction and accumulate its result into ``flat_param.grad``.
+
+        The result is cast back to the parameter dtype (unless
+        ``keep_low_precision_grads``), copied to the CPU under offload, and
+        added to any gradient already there (gradient accumulation).
+        """
+        reduce.collective.wait()
+        out = reduce.output
+        _div_(out, reduce.postdivide)
+        if reduce.in_place:
+            return
+        flat = self.flat_param
+        if out.dtype != self.orig_dtype and not self.config.keep_low_precision_grads:
+            out = out.to(self.orig_dtype)
+        if self.config.offload_params:
+            host = torch.empty(out.shape, dtype=out.dtype, device=flat.device)
+            host.copy_(out)
+            out = host
+        if flat.grad is None:
+            if out.dtype == flat.dtype:
+                flat.grad = out
+            else:  # keep_low_precision_grads: .grad's dtype may differ only via .data
+                flat.grad = torch.empty_like(flat)
+                flat.grad.data = out
+        else:
+            flat.grad.add_(out)
+
+    # --- full parameters outside forward/backward (summon_full_params) ---------------------
+
+    def gather_full_precision(self) -> Tensor:
+        """A new 1D ``full_numel`` tensor of the full parameters in the original dtype.
+
+        Synchronous; used outside forward/backward (``summon_full_params``,
+        ``state_dict``). For an unsharded unit it is ``flat_param``'s own data,
+        so writes to it persist, as torch's FSDP documents for ``NO_SHARD``.
+        """
+        flat = self.flat_param.detach()
+        if not self.config.shard:
+            return flat
+        padded = torch.empty(
+            self.layout.padded_numel, dtype=flat.dtype, device=self.config.compute_device
+        )
+        all_gather_into(padded, flat.to(self.config.compute_device), self.config.group).wait()
+        return unpad_flat(padded, self.layout)
+
+    def write_back(self, full: Tensor) -> None:
+        """Copy this rank's chunk of ``full`` (1D, ``full_numel``) into ``flat_param``."""
+        if not self.config.shard:
+            if full.data_ptr() != self.flat_param.data_ptr():
+                self.flat_param.data.copy_(full)
+            return
+        shard = shard_flat(full.to(self.flat_param.dtype), self.layout, self.config.rank)
+        self.flat_param.data.copy_(shard)
+
+    def register_full_params(self, full: Tensor) -> list[nn.Parameter]:
+        """Register the original parameters on their modules as views of ``full``.
+
+        Between this and :meth:`unregister_full_params` the modules look as
+        before wrapping (``named_parameters`` lists the originals by name).
+        """
+        flat = self.flat_param
+        params: list[nn.Parameter] = []
+        for info, view in zip(
+            flat._param_infos, flat.get_param_views(external_data=full), strict=True
+        ):
+            p = nn.Parameter(view, requires_grad=flat.requires_grad)
+            info.module.__dict__.pop(info.param_name, None)
+            info.module._parameters[info.param_name] = p
+            params.append(p)
+        by_module = {
+            (id(i.module), i.param_name): p for i, p in zip(flat._param_infos, params, strict=True)
+        }
+        for s in flat._shared_param_infos:
+            s.module.__dict__.pop(s.param_name, None)
+            s.module._parameters[s.param_name] = by_module[(id(s.prim_module), s.prim_param_name)]
+        return params
+
+    def unregister_full_params(self) -> None:
+        """Undo :meth:`register_full_params`: placeholders (or live views) again."""
+        flat = self.flat_param
+        for info in flat._param_infos:
+            info.module._parameters.pop(info.param_name, None)
+        for s in flat._shared_param_infos:
+            s.module._parameters.pop(s.param_name, None)
+        if self.state is ShardState.UNSHARDED:
+            self.use_unsharded_views()
+        else:
+            self._use_placeholders()
+
+
+def _div_(t: Tensor, factor: float) -> None:
+    if factor != 1.0:
+        t.div_(factor)
+
+
+def _free_storage(t: Tensor) -> None:
+    storage = t.untyped_storage()
+    if storage.nbytes() != 0:
+        storage.resize_(0)
+
+
+def _alloc_storage(t: Tensor, numel: int) -> None:
+    storage = t.untyped_storage()
+    nbytes = numel * t.element_size()
+    if storage.nbytes() != nbytes:
+        storage.resize_(nbytes)

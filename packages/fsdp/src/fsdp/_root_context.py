@@ -1,0 +1,104 @@
+"""What all FSDP instances under one root share at run time.
+
+The root creates one :class:`RootContext` at its lazy initialisation (first
+forward) and hands it to every FSDP instance below it: the execution order
+(for prefetching), the rate limiter, the queue of gradient reductions in
+flight, and whether the end-of-backward callback is queued.
+
+[Note: rate limiter]
+With ``limit_all_gathers=True`` at most two units' gathered parameters may be
+alive on the device at once between the root's (the one computing and the
+one prefetched). On CUDA the CPU runs ahead of the device: a freed block is
+only free once the device has passed the free, so the CPU must not issue a
+third gather before the first free has executed. After each free the unit's
+state records a device event; before each gather, if two frees are still
+pending, the CPU waits for the oldest event. On the CPU device there is no
+run-ahead (a free is done when ``reshard()`` returns) so there are no events
+and the limiter never waits; the two-unit bound then follows from prefetching
+at most one unit ahead.
+
+[Note: reductions in flight]
+Gradient reductions are issued asynchronously from the post-backward hook so
+that they overlap the next unit's backward computation. Each keeps its padded
+full gradient alive until it completes, so the queue is bounded: issuing a
+reduction first completes (waits for and accumulates) the ones beyond
+``max_reductions_in_flight``; the root's end-of-backward callback completes the
+rest before ``backward()`` returns, so ``.grad`` is final when the user sees it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from fsdp._exec_order import ExecOrder
+from fsdp._flat_param_unit import PendingReduce
+
+if TYPE_CHECKING:
+    from fsdp._fsdp_state import FSDPState
+
+__all__ = ["RateLimiter", "RootContext"]
+
+
+class RateLimiter:
+    """Bounds the gathers in flight on an asynchronous device (see [Note: rate limiter])."""
+
+    def __init__(self, device: torch.device, enabled: bool, max_in_flight: int = 2) -> None:
+        self._module: Any = None  # torch.cuda (or another accelerator module) or None
+        if enabled and device.type != "cpu":
+            self._module = torch.get_device_module(device)
+        self._max = max_in_flight
+        self._events: deque[Any] = deque()  # device events recorded after each free
+
+    def record_free(self) -> None:
+        """A unit just freed its gathered parameters (in stream order)."""
+        if self._module is not None:
+            event = self._module.Event()
+            event.record()
+            self._events.append(event)
+
+    def throttle(self) -> None:
+        """Call before issuing a gather: waits while too many frees are pending."""
+        if self._module is not None and len(self._events) >= self._max:
+            self._events.popleft().synchronize()
+
+
+class RootContext:
+    """Run-time state shared by every FSDP instance under one root."""
+
+    states: list[FSDPState]  # every FSDP instance of the tree, root first (pre-order)
+    exec_order: ExecOrder[FSDPState]
+    limiter: RateLimiter
+    max_reductions_in_flight: int
+    callback_queued: bool  # the end-of-backward callback is queued for this backward
+
+    def __init__(self, states: list[FSDPState], limiter: RateLimiter) -> None:
+        self.states = states
+        self.exec_order = ExecOrder()
+        self.limiter = limiter
+        self.max_reductions_in_flight = 1
+        self.callback_queued = False
+        self._reductions: deque[PendingReduce] = deque()
+
+    def push_reduction(self, reduce: PendingReduce) -> None:
+        """Track a reduction; complete the oldest ones beyond the bound.
+
+        See [Note: reductions in flight].
+        """
+        self._reductions.append(reduce)
+        while len(self._reductions) > self.max_reductions_in_flight:
+            oldest = self._reductions.popleft()
+            oldest.unit.finish_reduce_grad(oldest)
+
+    def finish_reductions(self) -> None:
+        """Complete every reduction in flight, oldest first."""
+        while self._reductions:
+            oldest = self._reductions.popleft()
+            oldest.unit.finish_reduce_grad(oldest)
+
+    @property
+    def reductions_in_flight(self) -> int:
+        """How many reductions are issued but not completed."""
+        return len(self._reductions)

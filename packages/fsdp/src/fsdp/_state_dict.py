@@ -1,0 +1,122 @@
+"""``model.state_dict()`` / ``load_state_dict()`` of a wrapped model: the unwrapped keys.
+
+The default of torch's FSDP (``StateDictType.FULL_STATE_DICT`` without
+``rank0_only``) and the one this package implements: ``state_dict()`` returns
+the full parameters and buffers under the keys of the model before wrapping,
+on every rank, and ``load_state_dict()`` accepts such a dict. The other
+state-dict types and the optimizer state dicts are the ``ckpt`` package's.
+
+Each FSDP instance registers four hooks. Before ``nn.Module.state_dict``
+visits an instance it summons that instance's unit (see [Note: summoned
+parameters]), so the original parameters are registered on their modules;
+after the visit the hook strips the instance's ``_fsdp_wrapped_module.`` from
+the keys it produced and ends the summon. Loading does the reverse: the
+pre-hook summons (with write-back) and inserts the prefix into the incoming
+keys, the post-hook ends the summon, writing each rank's chunk back, and
+cleans the reported missing/unexpected keys. Units are summoned one at a time
+while saving (peak: one unit's full parameters plus the result).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch import nn
+
+from fsdp._common import FSDP_PREFIX, TrainingState, clean_fqn
+from fsdp._fsdp_state import FSDPState, get_fsdp_state
+from fsdp._summon import summon_unit
+
+__all__ = ["register_state_dict_hooks"]
+
+_CTX = "_fsdp_state_dict_ctx"  # the ExitStack of an open summon, on the FSDP state
+
+
+def _state(module: nn.Module) -> FSDPState:
+    state = get_fsdp_state(module)
+    assert state is not None
+    return state
+
+
+def _enter(state: FSDPState, writeback: bool) -> None:
+    stack = contextlib.ExitStack()
+    if state.training_state is not TrainingState.SUMMON_FULL_PARAMS:
+        stack.enter_context(summon_unit(state, writeback, rank0_only=False, offload_to_cpu=False))
+    setattr(state, _CTX, stack)
+
+
+def _exit(state: FSDPState) -> None:
+    stack = state.__dict__.pop(_CTX, None)
+    if stack is not None:
+        stack.close()
+
+
+def _pre_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+    _enter(_state(module), writeback=False)
+
+
+def _post_state_dict(
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
+) -> None:
+    state = _state(module)
+    try:
+        inner = prefix + FSDP_PREFIX
+        orig_dtypes = _buffer_orig_dtypes_by_key(state, prefix)
+        for key in [k for k in state_dict if k.startswith(inner)]:
+            value = state_dict.pop(key)
+            new_key = prefix + key[len(inner) :]
+            dtype = orig_dtypes.get(new_key)
+            if dtype is not None and isinstance(value, torch.Tensor):
+                value = value.to(dtype)
+            state_dict[new_key] = value
+    finally:
+        _exit(state)
+
+
+_post_state_dict._from_public_api = True  # type: ignore[attr-defined]
+
+
+def _buffer_orig_dtypes_by_key(state: FSDPState, prefix: str) -> dict[str, torch.dtype]:
+    """Keys (after prefix stripping) of the buffers mixed precision cast, to their dtypes."""
+    if not state.buffer_orig_dtypes:
+        return {}
+    where = {id(m): name for name, m in state.module.named_modules()}
+    out: dict[str, torch.dtype] = {}
+    for (m, bname), dtype in state.buffer_orig_dtypes.items():
+        mname = where.get(id(m))
+        if mname is not None:
+            fqn = f"{mname}.{bname}" if mname else bname
+            out[prefix + clean_fqn(fqn)] = dtype
+    return out
+
+
+def _pre_load_state_dict(  # noqa: PLR0917 (nn.Module's hook signature)
+    module: nn.Module,
+    state_dict: dict[str, Any],
+    prefix: str,
+    local_metadata: Any,
+    strict: bool,
+    missing_keys: list[str],
+    unexpected_keys: list[str],
+    error_msgs: list[str],
+) -> None:
+    _enter(_state(module), writeback=True)
+    inner = prefix + FSDP_PREFIX
+    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
+        state_dict[inner + key[len(prefix) :]] = state_dict.pop(key)
+
+
+def _post_load_state_dict(module: nn.Module, incompatible_keys: Any) -> None:
+    _exit(_state(module))
+    for keys in (incompatible_keys.missing_keys, incompatible_keys.unexpected_keys):
+        keys[:] = [clean_fqn(k) for k in keys]
+
+
+def register_state_dict_hooks(module: nn.Module) -> None:
+    """Give an FSDP instance the unwrapped-keys ``state_dict``/``load_state_dict``."""
+    module.register_state_dict_pre_hook(_pre_state_dict)
+    module.register_state_dict_post_hook(_post_state_dict)
+    module.register_load_state_dict_pre_hook(_pre_load_state_dict)
+    module.register_load_state_dict_post_hook(_post_load_state_dict)

@@ -1,0 +1,114 @@
+"""Full parameters outside forward/backward: ``summon_full_params`` per unit.
+
+[Note: summoned parameters]
+Summoning a unit gathers its *full-precision* parameters (the sharded master
+values, whatever the mixed-precision setting) into a fresh tensor, registers
+the original parameters on their modules as ``nn.Parameter`` views of it and
+unregisters the FlatParameter from the FSDP instance, so the model looks
+unwrapped: ``named_parameters()`` gives the original names (the FSDP instance
+strips its ``_fsdp_wrapped_module.`` prefix in this state) and ``state_dict()``
+the original keys. On exit, with ``writeback``, this rank's chunk of the
+(possibly modified) full tensor is copied back into the FlatParameter; then
+everything is undone. For an unsharded unit the views alias the FlatParameter
+itself, so changes persist even without ``writeback`` (documented behaviour).
+Any gathered compute copy the unit still held from a forward is freed on exit,
+since it may now be stale; the next forward or backward gathers again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Generator
+
+from torch import nn
+
+from fsdp._common import FLAT_PARAM, TrainingState
+from fsdp._flat_param_unit import ShardState
+from fsdp._fsdp_state import FSDPState, get_fsdp_state
+
+__all__ = ["summon_full_params", "summon_unit"]
+
+
+@contextlib.contextmanager
+def summon_unit(
+    state: FSDPState,
+    writeback: bool,
+    rank0_only: bool,
+    offload_to_cpu: bool,
+) -> Generator[None, None, None]:
+    """Summon one FSDP instance's parameters (see [Note: summoned parameters])."""
+    state.assert_state(TrainingState.IDLE, "summon_full_params")
+    unit = state.unit
+    state.training_state = TrainingState.SUMMON_FULL_PARAMS
+    try:
+        if unit is None:
+            yield
+            return
+        if unit.state is ShardState.UNSHARDING:
+            unit.wait_for_unshard()
+        full = unit.gather_full_precision()  # a collective: every rank takes part
+        if rank0_only and unit.config.rank != 0:
+            del full
+            yield
+            return
+        if offload_to_cpu and unit.config.shard:
+            full = full.cpu()
+        fsdp_module = state.module
+        fsdp_module._parameters.pop(FLAT_PARAM, None)
+        unit.register_full_params(full)
+        try:
+            yield
+        finally:
+            if writeback:
+                unit.write_back(full)
+            unit.unregister_full_params()
+            fsdp_module._parameters[FLAT_PARAM] = unit.flat_param
+            if unit.state is not ShardState.SHARDED and not unit.aliased:
+                unit.reshard()
+    finally:
+        state.training_state = TrainingState.IDLE
+
+
+def _states_in_scope(module: nn.Module, recurse: bool) -> list[FSDPState]:
+    """The FSDP instances a summon covers: all of them, or the outermost ones."""
+    out: list[FSDPState] = []
+    stack = [module]
+    while stack:
+        m = stack.pop()
+        s = get_fsdp_state(m)
+        if s is not None:
+            out.append(s)
+            if not recurse:
+                continue
+        stack.extend(reversed([c for c in m._modules.values() if c is not None]))
+    return out
+
+
+@contextlib.contextmanager
+def summon_full_params(  # noqa: PLR0917 (torch's FSDP signature)
+    module: nn.Module,
+    recurse: bool,
+    writeback: bool,
+    rank0_only: bool,
+    offload_to_cpu: bool,
+    with_grads: bool,
+) -> Generator[None, None, None]:
+    """The body of ``FullyShardedDataParallel.summon_full_params`` (see there)."""
+    if with_grads:
+        raise NotImplementedError(
+            "summon_full_params(with_grads=True) needs use_orig_params=True, which is not "
+            "implemented yet (fsdp issue 3)"
+        )
+    if rank0_only and writeback:
+        raise ValueError(
+            "summon_full_params(rank0_only=True, writeback=True) is not supported: only rank 0 "
+            "would hold full parameters, so writes could not be made consistent across ranks. "
+            "Pass writeback=False."
+        )
+    states = _states_in_scope(module, recurse)
+    for s in states:
+        s.assert_state(TrainingState.IDLE, "summon_full_params")
+    with contextlib.ExitStack() as stack:
+        for s in states:
+            stack.enter_context(summon_unit(s, writeback, rank0_only, offload_to_cpu))
+        yield

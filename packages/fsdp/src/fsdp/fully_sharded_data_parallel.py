@@ -1,0 +1,531 @@
+"""The public module wrapper: ``FullyShardedDataParallel``.
+
+Construction lives in ``_init.py`` (plus ``wrap.py`` for auto-wrapping), the
+run-time hooks in ``_fsdp_state.py``, the parameter storage in
+``_flat_param_unit.py``; this class holds the pieces, forwards to them and
+documents the API, which follows torch's FSDP1 argument for argument.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Generator, Iterable, Iterator
+from typing import Any, NoReturn
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    _CHECKPOINT_WRAPPED_MODULE,
+    ActivationWrapper,
+)
+
+from fsdp import _grad_norm, _init
+from fsdp._common import FLAT_PARAM, FSDP_PREFIX, FSDP_WRAPPED_MODULE, TrainingState
+from fsdp._fsdp_state import FSDPState, get_fsdp_state
+from fsdp._state_dict import register_state_dict_hooks
+from fsdp._summon import summon_full_params as _summon_full_params
+from fsdp._summon import summon_unit
+from fsdp.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from fsdp.wrap import CustomPolicy, ModuleWrapPolicy, _auto_wrap
+
+__all__ = ["FullyShardedDataParallel"]
+
+
+class FullyShardedDataParallel(nn.Module):
+    """Shard a module's parameters, gradients and optimizer state across ranks.
+
+    A drop-in for ``torch.distributed.fsdp.FullyShardedDataParallel`` (FSDP1)
+    with ``use_orig_params=False``: the wrapped module's parameters (those not
+    inside nested FSDP instances) are flattened into one ``FlatParameter`` per
+    instance ("unit") and each rank keeps ``1/world_size`` of it. A unit's full
+    parameters are all-gathered just before its forward and its backward and
+    freed after them; its gradient is reduce-scattered, so after
+    ``backward()`` each FlatParameter's ``.grad`` is the averaged gradient of
+    this rank's shard, ready for any ``torch.optim`` optimizer::
+
+        model = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({Block}))
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-3)  # after wrapping!
+        model(x).sum().backward()
+        optim.step()
+
+    The optimizer must be created *after* wrapping: wrapping replaces the
+    module's parameters with the FlatParameters, and an optimizer built
+    before holds the old ones (its first ``step()`` raises an error saying so).
+
+    Between forward and backward and outside both, the wrapped modules'
+    parameter attributes are not the original parameters: inside a unit's
+    forward/backward they are views of the gathered data; otherwise they are
+    ``meta`` tensors of the right shape. Use :meth:`summon_full_params` to read
+    or change full parameters, and ``state_dict()`` (keys of the unwrapped
+    model) to save them.
+
+    Args:
+        module: the module to wrap. Must not already be an FSDP instance.
+        process_group: the group to shard over; ``None`` is the default group.
+            (A ``(shard, replicate)`` pair for hybrid sharding: not yet.)
+        sharding_strategy: :class:`ShardingStrategy`; ``None`` is
+            ``FULL_SHARD``. At world size 1 every strategy behaves as
+            ``NO_SHARD`` (nothing to communicate).
+        cpu_offload: :class:`CPUOffload`; keep sharded parameters and
+            gradients on the CPU.
+        auto_wrap_policy: make submodules their own units: a
+            :class:`~fsdp.wrap.ModuleWrapPolicy`, a :class:`~fsdp.wrap.CustomPolicy`
+            or a callable ``(module, recurse, nonwrapped_numel) -> bool`` (see
+            :mod:`fsdp.wrap`). Units created this way take this constructor's
+            other arguments. Needed for overlap and for memory savings: a
+            single unit gathers the whole model at once.
+        backward_prefetch: :class:`BackwardPrefetch` or ``None``.
+        mixed_precision: :class:`MixedPrecision`.
+        ignored_modules: not implemented yet (fsdp issue 3); must be ``None``.
+        param_init_fn: not implemented yet (meta-device init, fsdp issue 3).
+        device_id: the compute device (an int is a CUDA index). Default: the
+            module's device, or the current CUDA device for a CPU module when
+            CUDA is available.
+        sync_module_states: not implemented yet (fsdp issue 3); must be False.
+        forward_prefetch: gather the next unit (in the first iteration's
+            forward order) before the current unit's forward computation.
+            For static graphs; helps CPU-bound runs.
+        limit_all_gathers: bound the gathered units in flight to two on
+            devices where the CPU runs ahead (CUDA); see [Note: rate limiter].
+        use_orig_params: must be ``False`` for now (fsdp issue 3).
+        ignored_states: not implemented yet (fsdp issue 3).
+        device_mesh: not implemented yet (fsdp issue 3).
+    """
+
+    _fsdp_state: FSDPState  # run-time hooks and training state
+    _fsdp_wrapped_module: nn.Module
+    process_group: Any  # dist.ProcessGroup the units are sharded over
+    rank: int  # this rank in process_group
+    world_size: int
+    sharding_strategy: ShardingStrategy  # NO_SHARD when world_size == 1
+    cpu_offload: CPUOffload
+    mixed_precision: MixedPrecision
+    backward_prefetch: BackwardPrefetch | None
+    forward_prefetch: bool
+    limit_all_gathers: bool
+    compute_device: torch.device
+    _use_orig_params: bool
+
+    def __init__(  # noqa: PLR0917 (torch's FSDP signature)
+        self,
+        module: nn.Module,
+        process_group: Any = None,
+        sharding_strategy: ShardingStrategy | None = None,
+        cpu_offload: CPUOffload | None = None,
+        auto_wrap_policy: Callable[..., bool] | ModuleWrapPolicy | CustomPolicy | None = None,
+        backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
+        mixed_precision: MixedPrecision | None = None,
+        ignored_modules: Iterable[nn.Module] | None = None,
+        param_init_fn: Callable[[nn.Module], None] | None = None,
+        device_id: int | torch.device | None = None,
+        sync_module_states: bool = False,
+        forward_prefetch: bool = False,
+        limit_all_gathers: bool = True,
+        use_orig_params: bool = False,
+        ignored_states: Iterable[nn.Parameter] | Iterable[nn.Module] | None = None,
+        device_mesh: Any = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(
+                f"FullyShardedDataParallel wraps an nn.Module, got {type(module).__name__}"
+            )
+        if _is_fsdp(module):
+            raise ValueError(
+                "this module is already wrapped by FullyShardedDataParallel; wrap each module "
+                "once (nest FSDP instances by wrapping inner modules first)"
+            )
+        strategy = ShardingStrategy.FULL_SHARD if sharding_strategy is None else sharding_strategy
+        if not isinstance(strategy, ShardingStrategy):
+            raise TypeError(
+                f"sharding_strategy must be a ShardingStrategy, got {sharding_strategy!r}"
+            )
+        cpu_offload = CPUOffload() if cpu_offload is None else cpu_offload
+        mixed_precision = MixedPrecision() if mixed_precision is None else mixed_precision
+        if not isinstance(cpu_offload, CPUOffload):
+            raise TypeError(f"cpu_offload must be a CPUOffload, got {cpu_offload!r}")
+        if not isinstance(mixed_precision, MixedPrecision):
+            raise TypeError(f"mixed_precision must be a MixedPrecision, got {mixed_precision!r}")
+        if backward_prefetch is not None and not isinstance(backward_prefetch, BackwardPrefetch):
+            raise TypeError(
+                f"backward_prefetch must be a BackwardPrefetch or None, got {backward_prefetch!r}"
+            )
+        _init.check_unimplemented(
+            sharding_strategy=strategy,
+            process_group=process_group,
+            use_orig_params=use_orig_params,
+            param_init_fn=param_init_fn,
+            sync_module_states=sync_module_states,
+            ignored_modules=ignored_modules,
+            ignored_states=ignored_states,
+            device_mesh=device_mesh,
+        )
+        group, rank, world_size = _init.resolve_process_group(process_group)
+        _init.install_optimizer_check()
+
+        if auto_wrap_policy is not None:
+            root_kwargs: dict[str, Any] = {
+                "process_group": process_group,
+                "sharding_strategy": sharding_strategy,
+                "cpu_offload": cpu_offload,
+                "backward_prefetch": backward_prefetch,
+                "mixed_precision": mixed_precision,
+                "device_id": device_id,
+                "forward_prefetch": forward_prefetch,
+                "limit_all_gathers": limit_all_gathers,
+            }
+            _auto_wrap(
+                module,
+                auto_wrap_policy,
+                root_kwargs=root_kwargs,
+                wrapper_cls=FullyShardedDataParallel,
+                is_wrapped=_is_fsdp,
+            )
+
+        collected = _init.collect_unit_params(module, _is_fsdp)
+        buffers = _init.owned_buffers(module, _is_fsdp)
+        compute_device = _init.resolve_compute_device(collected[1], buffers, device_id)
+        if world_size == 1 and strategy is not ShardingStrategy.NO_SHARD:
+            strategy = ShardingStrategy.NO_SHARD  # as torch's FSDP: nothing to shard over
+        unit = _init.build_unit(
+            collected,
+            group=group,
+            rank=rank,
+            world_size=world_size,
+            strategy=strategy,
+            compute_device=compute_device,
+            mixed_precision=mixed_precision,
+            cpu_offload=cpu_offload,
+        )
+        self._fsdp_wrapped_module = module
+        if unit is not None:
+            self.register_parameter(FLAT_PARAM, unit.flat_param)
+        self._fsdp_state = FSDPState(
+            self,
+            unit,
+            compute_device=compute_device,
+            mixed_precision=mixed_precision,
+            backward_prefetch=backward_prefetch,
+            forward_prefetch=forward_prefetch,
+            limit_all_gathers=limit_all_gathers,
+        )
+        self.process_group = group
+        self.rank = rank
+        self.world_size = world_size
+        self.sharding_strategy = strategy
+        self.cpu_offload = cpu_offload
+        self.mixed_precision = mixed_precision
+        self.backward_prefetch = backward_prefetch
+        self.forward_prefetch = forward_prefetch
+        self.limit_all_gathers = limit_all_gathers
+        self.compute_device = compute_device
+        self._use_orig_params = False
+        register_state_dict_hooks(self)
+
+    # --- the wrapped module ----------------------------------------------------------------------
+
+    @property
+    def module(self) -> nn.Module:
+        """The wrapped module (inside an activation-checkpoint wrapper, the module it wraps)."""
+        wrapped = self._fsdp_wrapped_module
+        if isinstance(wrapped, ActivationWrapper):
+            inner: nn.Module = getattr(wrapped, _CHECKPOINT_WRAPPED_MODULE)
+            return inner
+        return wrapped
+
+    @property
+    def training_state(self) -> TrainingState:
+        """What this instance is doing (idle, in forward/backward, summoned)."""
+        return self._fsdp_state.training_state
+
+    @property
+    def _flat_param(self) -> nn.Parameter | None:
+        unit = self._fsdp_state.unit
+        return None if unit is None else unit.flat_param
+
+    @property
+    def _is_root(self) -> bool | None:
+        return self._fsdp_state.is_root
+
+    def __getattr__(self, name: str) -> Any:
+        """Attributes the wrapper lacks come from the wrapped module (``model.config``)."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == FSDP_WRAPPED_MODULE:
+                raise
+            return getattr(self._fsdp_wrapped_module, name)
+
+    def __getitem__(self, key: int) -> Any:
+        """Index into a wrapped ``nn.Sequential``/``nn.ModuleList``."""
+        return self._fsdp_wrapped_module.__getitem__(key)  # type: ignore[operator]
+
+    # --- forward ----------------------------------------------------------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the wrapped module with this unit's parameters gathered around it."""
+        state = self._fsdp_state
+        with torch.autograd.profiler.record_function("FullyShardedDataParallel.forward"):
+            args, kwargs = state.root_pre_forward(args, kwargs)
+            args, kwargs = state.pre_forward(args, kwargs)
+            output = self._fsdp_wrapped_module(*args, **kwargs)
+            return state.post_forward(output)
+
+    # --- tree-level queries -----------------------------------------------------------------------
+
+    def check_is_root(self) -> bool:
+        """Whether this instance is the root of its FSDP tree (runs lazy init if needed)."""
+        self._fsdp_state.lazy_init()
+        return bool(self._fsdp_state.is_root)
+
+    @staticmethod
+    def fsdp_modules(module: nn.Module, root_only: bool = False) -> list[FullyShardedDataParallel]:
+        """Every FSDP instance in ``module``'s tree (pre-order), or only the outermost ones."""
+        out: list[FullyShardedDataParallel] = []
+        stack: list[nn.Module] = [module]
+        while stack:
+            m = stack.pop()
+            if isinstance(m, FullyShardedDataParallel):
+                out.append(m)
+                if root_only:
+                    continue
+            stack.extend(reversed([c for c in m._modules.values() if c is not None]))
+        return out
+
+    def apply(self, fn: Callable[[nn.Module], None]) -> FullyShardedDataParallel:
+        """``nn.Module.apply`` with each unit's full parameters summoned while ``fn`` runs.
+
+        So that initialisation functions (``module.apply(init_weights)``) see
+        and write real, full parameters; each rank keeps its chunk of what
+        ``fn`` wrote. Not from inside :meth:`summon_full_params`.
+        """
+        state = self._fsdp_state
+        state.assert_state(TrainingState.IDLE, "FullyShardedDataParallel.apply")
+        with summon_unit(state, writeback=True, rank0_only=False, offload_to_cpu=False):
+            nn.Module.apply(self, fn)
+        return self
+
+    # --- full parameters --------------------------------------------------------------------
+
+    @staticmethod
+    @contextlib.contextmanager
+    def summon_full_params(  # noqa: PLR0917 (torch's FSDP signature)
+        module: nn.Module,
+        recurse: bool = True,
+        writeback: bool = True,
+        rank0_only: bool = False,
+        offload_to_cpu: bool = False,
+        with_grads: bool = False,
+    ) -> Generator[None, None, None]:
+        """Expose the full parameters of the FSDP instances in ``module`` inside the context.
+
+        Inside, every unit's original parameters are registered on their
+        modules as full tensors in their original (full) precision, and
+        ``named_parameters()`` of an FSDP instance yields the unwrapped names.
+        Every rank must enter (it is a collective). Not usable inside forward
+        or backward, and forward/backward cannot run inside it.
+
+        Args:
+            module: an FSDP instance or any module containing them.
+            recurse: summon nested FSDP instances too (else only the outermost).
+            writeback: keep changes made to the full parameters (each rank
+                writes back its own chunk). Unsharded units (``NO_SHARD``, one
+                rank) keep changes regardless.
+            rank0_only: materialise the full parameters on global rank 0 only
+                (others keep their shards); requires ``writeback=False``.
+            offload_to_cpu: put the full parameters on the CPU (sharded units
+                only); best combined with ``rank0_only``.
+            with_grads: also gather gradients; needs ``use_orig_params=True``
+                (not implemented yet).
+        """
+        with _summon_full_params(
+            module, recurse, writeback, rank0_only, offload_to_cpu, with_grads
+        ):
+            yield
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
+        """``nn.Module.named_parameters``; unwrapped names inside :meth:`summon_full_params`."""
+        clean = self._fsdp_state.training_state is TrainingState.SUMMON_FULL_PARAMS
+        for name, p in super().named_parameters(*args, **kwargs):
+            yield (name.replace(FSDP_PREFIX, "") if clean else name), p
+
+    def named_buffers(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.Tensor]]:
+        """``nn.Module.named_buffers``; unwrapped names inside :meth:`summon_full_params`."""
+        clean = self._fsdp_state.training_state is TrainingState.SUMMON_FULL_PARAMS
+        for name, b in super().named_buffers(*args, **kwargs):
+            yield (name.replace(FSDP_PREFIX, "") if clean else name), b
+
+    # --- gradients ------------------------------------------------------------------------------
+
+    def _require_root(self, what: str) -> FSDPState:
+        state = self._fsdp_state
+        state.lazy_init()
+        if not state.is_root:
+            raise RuntimeError(
+                f"{what} must be called on the root FSDP instance (the outermost one), not on a "
+                "nested one: it acts on the whole tree"
+            )
+        state.assert_state(TrainingState.IDLE, what)
+        return state
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Generator[None, None, None]:
+        """Accumulate gradients locally, without communication, inside the context.
+
+        Backward passes inside keep each unit's *unsharded* gradient (more
+        memory); the first backward after the context reduces the sum. Call
+        on the root instance; it applies to every nested one. With CPU
+        offload the accumulated gradients stay on the compute device until
+        that reduction.
+        """
+        state = self._require_root("no_sync()")
+        ctx = state.ctx
+        assert ctx is not None
+        previous = [(s, s.sync_gradients) for s in ctx.states]
+        for s, _ in previous:
+            s.sync_gradients = False
+        try:
+            yield
+        finally:
+            for s, flag in previous:
+                s.sync_gradients = flag
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients of the whole model by their total norm; return that norm.
+
+        The norm is over all gradients viewed as one vector, although they are
+        sharded over ranks (``torch.nn.utils.clip_grad_norm_`` would only see
+        this rank's shards). Call on the root instance, on every rank (it
+        communicates), after backward. Supports any p-norm and ``inf``.
+        """
+        state = self._require_root("clip_grad_norm_()")
+        ctx = state.ctx
+        assert ctx is not None
+        sharded: list[torch.Tensor] = []
+        replicated: list[torch.Tensor] = []
+        flat_ids: set[int] = set()
+        all_no_shard = True
+        for s in ctx.states:
+            unit = s.unit
+            if unit is None:
+                continue
+            flat_ids.add(id(unit.flat_param))
+            all_no_shard = all_no_shard and not unit.config.shard
+            grad = unit.flat_param.grad
+            if grad is not None:
+                (sharded if unit.config.shard else replicated).append(grad)
+        if all_no_shard:
+            return torch.nn.utils.clip_grad_norm_(list(self.parameters()), max_norm, norm_type)
+        for p in self.parameters():
+            if id(p) not in flat_ids and p.grad is not None:
+                replicated.append(p.grad)
+        result_device = (
+            torch.device("cpu") if self.cpu_offload.offload_params else state.compute_device
+        )
+        return _grad_norm.clip_grad_norm_(
+            sharded,
+            replicated,
+            max_norm,
+            norm_type,
+            group=self.process_group,
+            device=state.compute_device,
+            result_device=result_device,
+        )
+
+    def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
+        """Replace the gradient reduction of every unit in the tree by ``hook``.
+
+        ``hook(state, grad)`` for ``NO_SHARD`` units (reduce ``grad`` in place)
+        and ``hook(state, padded_full_grad, sharded_grad_out)`` for sharded
+        ones (fill ``sharded_grad_out``), e.g. the hooks in
+        ``torch.distributed.algorithms._comm_hooks.default_hooks``. The hook
+        does its own averaging. Register on the root, once, before the first
+        forward.
+        """
+        root = self._fsdp_state
+        root.lazy_init()
+        if not root.is_root:
+            raise RuntimeError("register_comm_hook can only be called on the root FSDP instance")
+        if not callable(hook):
+            raise ValueError(f"the communication hook must be callable, got {hook!r}")
+        from torch.distributed.algorithms._comm_hooks import LOW_PRECISION_HOOKS
+
+        ctx = root.ctx
+        assert ctx is not None
+        for s in ctx.states:
+            if s.comm_hook is not None:
+                raise RuntimeError("a communication hook is already registered on this FSDP tree")
+        for s in ctx.states:
+            s.comm_hook = hook
+            s.comm_hook_state = state
+            s.comm_hook_casts = hook in LOW_PRECISION_HOOKS
+
+    # --- state dicts (the ckpt package) ---------------------------------------------------------
+
+    @staticmethod
+    def state_dict_type(*args: Any, **kwargs: Any) -> NoReturn:
+        """Select a state-dict type: provided by the ``ckpt`` package (fsdp issue 4)."""
+        _ckpt_feature("state_dict_type")
+
+    @staticmethod
+    def set_state_dict_type(*args: Any, **kwargs: Any) -> NoReturn:
+        """Select a state-dict type: provided by the ``ckpt`` package (fsdp issue 4)."""
+        _ckpt_feature("set_state_dict_type")
+
+    @staticmethod
+    def get_state_dict_type(*args: Any, **kwargs: Any) -> NoReturn:
+        """Query the state-dict type: provided by the ``ckpt`` package (fsdp issue 4)."""
+        _ckpt_feature("get_state_dict_type")
+
+    @staticmethod
+    def optim_state_dict(*args: Any, **kwargs: Any) -> NoReturn:
+        """Optimizer state dict keyed by parameter names: the ``ckpt`` package (issue 4)."""
+        _ckpt_feature("optim_state_dict")
+
+    @staticmethod
+    def optim_state_dict_to_load(*args: Any, **kwargs: Any) -> NoReturn:
+        """Optimizer state dict to load: the ``ckpt`` package (issue 4)."""
+        _ckpt_feature("optim_state_dict_to_load")
+
+    @staticmethod
+    def full_optim_state_dict(*args: Any, **kwargs: Any) -> NoReturn:
+        """Full optimizer state dict: the ``ckpt`` package (issue 4)."""
+        _ckpt_feature("full_optim_state_dict")
+
+    @staticmethod
+    def sharded_optim_state_dict(*args: Any, **kwargs: Any) -> NoReturn:
+        """Sharded optimizer state dict: the ``ckpt`` package (issue 4)."""
+        _ckpt_feature("sharded_optim_state_dict")
+
+    @staticmethod
+    def shard_full_optim_state_dict(*args: Any, **kwargs: Any) -> NoReturn:
+        """Shard a full optimizer state dict: the ``ckpt`` package (issue 4)."""
+        _ckpt_feature("shard_full_optim_state_dict")
+
+    @staticmethod
+    def scatter_full_optim_state_dict(*args: Any, **kwargs: Any) -> NoReturn:
+        """Scatter a full optimizer state dict: the ``ckpt`` package (issue 4)."""
+        _ckpt_feature("scatter_full_optim_state_dict")
+
+    @staticmethod
+    def flatten_sharded_optim_state_dict(*args: Any, **kwargs: Any) -> NoReturn:
+        """Flatten a sharded optimizer state dict: the ``ckpt`` package (issue 4)."""
+        _ckpt_feature("flatten_sharded_optim_state_dict")
+
+    @staticmethod
+    def rekey_optim_state_dict(*args: Any, **kwargs: Any) -> NoReturn:
+        """Re-key an optimizer state dict: the ``ckpt`` package (issue 4)."""
+        _ckpt_feature("rekey_optim_state_dict")
+
+
+def _is_fsdp(module: nn.Module) -> bool:
+    return get_fsdp_state(module) is not None
+
+
+def _ckpt_feature(name: str) -> NoReturn:
+    raise NotImplementedError(
+        f"FullyShardedDataParallel.{name} belongs to the state-dict types and optimizer state "
+        "dicts, which the ckpt package provides (fsdp issue 4; not implemented yet). "
+        "model.state_dict()/load_state_dict() already work with the unwrapped model's keys."
+    )

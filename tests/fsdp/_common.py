@@ -1,0 +1,135 @@
+"""Models, data and training loops shared by the fsdp tests (run inside ranks).
+
+The models are tiny and their sizes odd on purpose, so that flat parameters
+need padding at every world size tested (1, 2, 4) and some ranks' shards
+start in the middle of a parameter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+VOCAB = 13
+DIM = 6
+SEQ = 5
+
+
+class Block(nn.Module):
+    """A pre-norm MLP block: the unit an auto-wrap policy picks."""
+
+    def __init__(self, dim: int = DIM) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, 2 * dim + 1)
+        self.fc2 = nn.Linear(2 * dim + 1, dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.fc2(F.gelu(self.fc1(self.ln(x))))
+
+
+class Net(nn.Module):
+    """Embedding, blocks, head, and a (non-trainable) buffer."""
+
+    def __init__(self, n_blocks: int = 3, dim: int = DIM) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, dim)
+        self.blocks = nn.ModuleList(Block(dim) for _ in range(n_blocks))
+        self.ln_f = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, VOCAB)
+        self.register_buffer("scale", torch.tensor(0.75))
+
+    def forward(self, idx: Tensor) -> Tensor:
+        h = self.emb(idx) * self.scale
+        for b in self.blocks:
+            h = b(h)
+        return self.head(self.ln_f(h))
+
+
+def make_net(seed: int = 0, n_blocks: int = 3) -> Net:
+    """The same initial model on every rank."""
+    torch.manual_seed(seed)
+    return Net(n_blocks)
+
+
+def batches(steps: int, batch: int = 3, seed: int = 100) -> list[tuple[Tensor, Tensor]]:
+    """Per-rank data (different on each rank, so averaging matters)."""
+    g = torch.Generator().manual_seed(seed + 1000 * dist.get_rank())
+    return [
+        (
+            torch.randint(0, VOCAB, (batch, SEQ), generator=g),
+            torch.randint(0, VOCAB, (batch, SEQ), generator=g),
+        )
+        for _ in range(steps)
+    ]
+
+
+def loss_fn(logits: Tensor, target: Tensor) -> Tensor:
+    return F.cross_entropy(logits.reshape(-1, VOCAB).float(), target.reshape(-1))
+
+
+def train(
+    model: nn.Module,
+    data: list[tuple[Tensor, Tensor]],
+    *,
+    accumulate: int = 1,
+    no_sync: bool = False,
+    clip: float | None = None,
+    clip_fn: Callable[[float], Any] | None = None,
+    lr: float = 1e-2,
+) -> tuple[list[float], list[float]]:
+    """AdamW training; ``accumulate`` micro-batches per step (in no_sync if asked).
+
+    Returns the losses and (if clipping) the total norms returned by the clip.
+    """
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+    losses: list[float] = []
+    norms: list[float] = []
+    it: Iterator[tuple[Tensor, Tensor]] = iter(data)
+    for _ in range(len(data) // accumulate):
+        for micro in range(accumulate):
+            x, y = next(it)
+            last = micro == accumulate - 1
+            ctx: AbstractContextManager[Any] = (
+                model.no_sync() if (no_sync and not last) else nullcontext()  # type: ignore[operator]
+            )
+            with ctx:
+                loss = loss_fn(model(x), y)
+                loss.backward()
+            losses.append(loss.item())
+        if clip is not None:
+            assert clip_fn is not None
+            norms.append(float(clip_fn(clip)))
+        opt.step()
+        opt.zero_grad()
+    return losses, norms
+
+
+def full_params(model: nn.Module) -> dict[str, Tensor]:
+    """The full parameters by unwrapped name, for an fsdp, torch-FSDP or DDP model."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+
+    import fsdp
+
+    if isinstance(model, fsdp.FullyShardedDataParallel):
+        with fsdp.FullyShardedDataParallel.summon_full_params(model):
+            return {n: p.detach().clone() for n, p in model.named_parameters()}
+    if isinstance(model, TorchFSDP):
+        with TorchFSDP.summon_full_params(model):
+            return {
+                n.replace("_fsdp_wrapped_module.", ""): p.detach().clone()
+                for n, p in model.named_parameters()
+            }
+    return {n.removeprefix("module."): p.detach().clone() for n, p in model.named_parameters()}
+
+
+def max_diff(a: dict[str, Tensor], b: dict[str, Tensor]) -> float:
+    """Largest absolute difference between two name->tensor dicts with the same keys."""
+    assert sorted(a) == sorted(b), (sorted(a), sorted(b))
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
