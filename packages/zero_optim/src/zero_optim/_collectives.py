@@ -75,15 +75,16 @@ def broadcast_from_owner(
 
     Every rank passes the same list (same shapes, same order): the owner's are
     sent, the others' overwritten. With ``coalesce`` (or when a tensor is not
-    contiguous) the tensors travel packed in one message and receivers unpack
-    them on :meth:`PendingBroadcast.wait`; otherwise each one is broadcast in
-    place with no copy.
+    contiguous) several tensors travel packed in one message and receivers
+    unpack them on :meth:`PendingBroadcast.wait`; otherwise (and always for a
+    single contiguous tensor, such as a bucket) each one is broadcast in place
+    with no copy.
     """
     tensors = [t for t in tensors if t.numel() > 0]
     if not tensors:
         return []
     src = dist.get_global_rank(group, owner)
-    if not coalesce and all(t.is_contiguous() for t in tensors):
+    if (not coalesce or len(tensors) == 1) and all(t.is_contiguous() for t in tensors):
         return [
             PendingBroadcast(
                 _async(dist.broadcast(t.detach(), src, group, async_op=True)), None, ()

@@ -92,8 +92,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             rank's share, e.g. ``torch.optim.AdamW``.
         process_group: the group to shard over (default: the world group).
         parameters_as_bucket_view: pack each rank's parameters into one
-            contiguous bucket per device so the post-step broadcast is one
-            collective per rank; ``param.data`` then views the bucket.
+            contiguous bucket per device, so the post-step broadcast is one
+            collective per rank with no copy; ``param.data`` then views the
+            bucket. Without it ``param.data`` is left alone and each rank's
+            updated parameters are packed into one temporary message per step
+            (a copy, but one collective per rank instead of one per parameter).
         overlap_with_ddp: step inside DDP's backward pass, bucket by bucket;
             requires registering ``hook_with_zero_step`` or
             ``hook_with_zero_step_interleaved`` on the DDP model, and then
@@ -207,7 +210,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             else:
                 tensors = [p for p in self._params_per_rank[owner] if p.requires_grad]
             pending += broadcast_from_owner(
-                tensors, owner, self.rank, self.process_group, coalesce=False
+                tensors, owner, self.rank, self.process_group, coalesce=True
             )
         return pending
 

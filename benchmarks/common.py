@@ -1,0 +1,261 @@
+"""What every benchmark needs: ranks in fresh processes, timings, memory, tables.
+
+A benchmark module (``benchmarks/bench_<name>.py``) defines ``DESCRIPTION`` (one
+line) and ``run(options: Options) -> list[Table]``; ``python -m benchmarks``
+finds it, runs it and prints its tables (see ``benchmarks/__main__.py``). A
+typical ``run``:
+
+1. For each variant being compared, :func:`launch` a module-level function on
+   ``N`` fresh rank processes. Fresh processes make the peak RSS of each
+   variant its own (peak RSS never goes down within a process).
+2. Inside a rank, build the model, time the steps with :func:`time_steps`
+   (a barrier before each, so the ranks start each step together) and return a
+   :class:`RankReport` with the step times, :func:`peak_rss_bytes` and any
+   extra numbers (bytes of optimizer state, ...).
+3. Combine the ranks with :func:`step_time_s` (each step lasts as long as its
+   slowest rank; the median over steps) and build a :class:`Table` whose ratio
+   columns come from :func:`ratio`.
+
+Ranks use gloo on CPU tensors unless the benchmark moves its model to CUDA;
+:func:`time_steps` synchronises CUDA when it is in use, so the times are
+device-agnostic. ``OMP_NUM_THREADS`` (1 under ``nox -s bench``) is passed on to
+every rank, and each rank also calls ``torch.set_num_threads`` with it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing
+import os
+import pickle
+import resource
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+__all__ = [
+    "Options",
+    "RankReport",
+    "Table",
+    "fmt_bytes",
+    "fmt_ms",
+    "launch",
+    "peak_rss_bytes",
+    "ratio",
+    "step_time_s",
+    "time_steps",
+]
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Options:
+    """Command-line options every benchmark receives.
+
+    ``quick`` asks for a smoke run (fewer and smaller steps) that checks the
+    benchmark works, not what it measures; ``repeats`` runs each comparison
+    that many times, alternating the variants' order, and pools the steps.
+    """
+
+    quick: bool = False
+    repeats: int = 1
+
+    def __post_init__(self) -> None:
+        if self.repeats < 1:
+            raise ValueError(f"repeats must be at least 1, got {self.repeats}")
+
+
+@dataclass
+class RankReport:
+    """What one rank measured for one variant."""
+
+    step_times_s: list[float]  # one wall time per timed step, in order
+    peak_rss_bytes: int
+    extra: dict[str, Any] = field(default_factory=dict)  # benchmark-specific numbers
+
+
+# ----------------------------------------------------------------- launching
+
+
+def launch(fn: Callable[..., T], world_size: int, *args: Any, timeout: float = 600.0) -> list[T]:
+    """Run ``fn(*args)`` on ``world_size`` fresh processes with a gloo group; rank-ordered results.
+
+    ``fn`` must be a module-level function (it is pickled into spawned
+    interpreters). Each process initialises the default process group
+    (``file://`` rendezvous in a temporary folder, so no port is needed),
+    runs ``fn`` and destroys the group. A rank that raises makes this raise
+    with that rank's traceback; a run longer than ``timeout`` seconds is
+    killed and raises ``TimeoutError``.
+    """
+    ctx = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="bench-") as folder:
+        procs = [
+            ctx.Process(target=_rank_main, args=(fn, args, rank, world_size, (folder, timeout)))
+            for rank in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        try:
+            for p in procs:
+                p.join(max(0.0, deadline - time.monotonic()))
+            if any(p.is_alive() for p in procs):
+                raise TimeoutError(f"{fn.__qualname__} on {world_size} ranks ran over {timeout} s")
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+        results = []
+        for rank, p in enumerate(procs):
+            path = Path(folder) / f"rank{rank}.pkl"
+            if not path.exists():
+                raise RuntimeError(f"rank {rank} of {fn.__qualname__} exited ({p.exitcode})")
+            status, value = pickle.loads(path.read_bytes())
+            if status != "ok":
+                raise RuntimeError(f"rank {rank} of {fn.__qualname__} raised:\n{value}")
+            results.append(value)
+        return results
+
+
+def _rank_main(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    rank: int,
+    world_size: int,
+    where: tuple[str, float],  # (temporary folder, timeout in seconds)
+) -> None:
+    import torch
+    import torch.distributed as dist
+
+    folder, timeout = where
+    threads = int(os.environ.get("OMP_NUM_THREADS", "1"))
+    torch.set_num_threads(threads)
+    if "GLOO_SOCKET_IFNAME" not in os.environ and os.path.exists("/sys/class/net/lo"):
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # every rank is on this host
+    record: tuple[str, Any]
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{Path(folder) / 'rendezvous'}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout),
+        )
+        record = ("ok", fn(*args))
+    except BaseException:
+        record = ("raised", traceback.format_exc())
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    (Path(folder) / f"rank{rank}.pkl").write_bytes(pickle.dumps(record))
+
+
+# ----------------------------------------------------------------- measuring
+
+
+def time_steps(step: Callable[[], object], *, warmup: int, iters: int) -> list[float]:
+    """Wall time of each of ``iters`` calls of ``step`` after ``warmup`` untimed ones.
+
+    Call on every rank: a barrier before each timed step lines the ranks up,
+    so a step's time on a rank includes waiting for slower ranks inside the
+    step's collectives, as in training, but not the skew left by the previous
+    step. CUDA work is synchronised before the clock stops.
+    """
+    import torch
+    import torch.distributed as dist
+
+    def sync() -> None:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+
+    for _ in range(warmup):
+        step()
+    sync()
+    times = []
+    for _ in range(iters):
+        dist.barrier()
+        start = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size so far, in bytes."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB
+
+
+def step_time_s(reports: Sequence[Sequence[RankReport]]) -> float:
+    """Median step time over runs and steps; each step lasts as long as its slowest rank.
+
+    ``reports[run][rank]``: every run of one variant, all ranks of each run.
+    """
+    pooled: list[float] = []
+    for ranks in reports:
+        pooled += [max(ts) for ts in zip(*(r.step_times_s for r in ranks), strict=True)]
+    return statistics.median(pooled)
+
+
+# ------------------------------------------------------------------ reporting
+
+
+def fmt_ms(seconds: float) -> str:
+    """Seconds as milliseconds with three significant digits."""
+    return f"{seconds * 1e3:.3g} ms"
+
+
+def fmt_bytes(n: float) -> str:
+    """Bytes in MiB (or KiB when small), with the exact count for small values."""
+    if n >= 2**20:
+        return f"{n / 2**20:.2f} MiB"
+    return f"{n / 2**10:.1f} KiB"
+
+
+def ratio(value: float, baseline: float) -> str:
+    """``value / baseline`` as ``0.97x``; ``-`` when there is no baseline."""
+    if baseline == 0:
+        return "-"
+    return f"{value / baseline:.2f}x"
+
+
+@dataclass
+class Table:
+    """A titled table of strings, printed with aligned columns and notes below."""
+
+    title: str
+    columns: list[str]
+    rows: list[list[str]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def add(self, *cells: object) -> None:
+        """Append a row; cells are turned into strings."""
+        if len(cells) != len(self.columns):
+            raise ValueError(f"row has {len(cells)} cells for {len(self.columns)} columns")
+        self.rows.append([str(c) for c in cells])
+
+    def render(self) -> str:
+        """The table as text: title, header, rule, rows (first column left-aligned)."""
+        widths = [
+            max(len(c), *(len(r[i]) for r in self.rows)) if self.rows else len(c)
+            for i, c in enumerate(self.columns)
+        ]
+
+        def line(cells: Sequence[str]) -> str:
+            first = cells[0].ljust(widths[0])
+            rest = [c.rjust(w) for c, w in zip(cells[1:], widths[1:], strict=True)]
+            return "  ".join([first, *rest]).rstrip()
+
+        out = [self.title, line(self.columns), "  ".join("-" * w for w in widths)]
+        out += [line(r) for r in self.rows]
+        out += [f"  {n}" for n in self.notes]
+        return "\n".join(out)
