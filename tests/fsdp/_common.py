@@ -133,3 +133,47 @@ def max_diff(a: dict[str, Tensor], b: dict[str, Tensor]) -> float:
     """Largest absolute difference between two name->tensor dicts with the same keys."""
     assert sorted(a) == sorted(b), (sorted(a), sorted(b))
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def average_grads(model: nn.Module) -> None:
+    """What DDP does to gradients, by hand: the reference for graphs DDP refuses."""
+    ws = dist.get_world_size()
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad)
+            p.grad /= ws
+
+
+def reference_train(
+    model: nn.Module,
+    data: list[tuple[Tensor, Tensor]],
+    step: Callable[[nn.Module, Tensor, Tensor], Tensor],
+) -> list[float]:
+    """Train a plain model with by-hand gradient averaging; ``step`` returns the loss."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    losses = []
+    for x, y in data:
+        loss = step(model, x, y)
+        loss.backward()
+        average_grads(model)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def fsdp_train(
+    model: nn.Module,
+    data: list[tuple[Tensor, Tensor]],
+    step: Callable[[nn.Module, Tensor, Tensor], Tensor],
+) -> list[float]:
+    """Train a wrapped model with the same loop as :func:`reference_train`."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    losses = []
+    for x, y in data:
+        loss = step(model, x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
