@@ -236,6 +236,43 @@ def _partition_views_match_torch() -> None:
     assert ours.join_process_group is dist.group.WORLD
 
 
+def _copying_allreduce_hook(state, bucket):  # type: ignore[no-untyped-def]
+    """A comm hook whose result is a new tensor, not the bucket's buffer.
+
+    Unannotated: DDP rejects the string annotations ``from __future__`` makes.
+    """
+    averaged = bucket.buffer() / dist.get_world_size()
+    fut = dist.all_reduce(averaged, async_op=True).get_future()  # type: ignore[union-attr]
+    return fut.then(lambda f: f.value()[0])
+
+
+def _overlap_with_other_ddp_settings() -> None:
+    """Hooks returning a new tensor, and DDP's gradient_as_bucket_view: still equal to plain."""
+    for comm_hook, as_view in ((_copying_allreduce_hook, False), (allreduce_hook, True)):
+        results = []
+        for kind in ("plain", "ours"):
+            model = make_model()
+            ddp = DDP(model, gradient_as_bucket_view=as_view, bucket_cap_mb=512 / 2**20)
+            opt: Any
+            if kind == "plain":
+                opt = torch.optim.Adam(model.parameters(), lr=0.01)
+                ddp.register_comm_hook(None, comm_hook)
+            else:
+                opt = ZeroRedundancyOptimizer(
+                    model.parameters(), torch.optim.Adam, overlap_with_ddp=True, lr=0.01
+                )
+                hook = hook_with_zero_step_interleaved(comm_hook, ddp, opt)
+                ddp.register_comm_hook(None, hook)
+            for step in range(4):
+                x, y = batch(step, dist.get_rank())
+                opt.zero_grad()
+                F.mse_loss(ddp(x), y).backward()
+                if kind == "plain":
+                    opt.step()
+            results.append([p.detach().clone() for p in model.parameters()])
+        assert_same(results[1], results[0], f"{comm_hook.__name__}, as_view={as_view}")
+
+
 def _api_rank() -> list[str]:
     _errors_with_a_process_group()
     records: list[str] = []
@@ -243,6 +280,7 @@ def _api_rank() -> list[str]:
     _add_param_group_and_freezing()
     _bucket_views_survive_steps()
     _partition_views_match_torch()
+    _overlap_with_other_ddp_settings()
     return records
 
 
