@@ -107,6 +107,30 @@ def _check_versions(session: nox.Session) -> None:
 
 
 @nox.session
+def train(session: nox.Session) -> None:
+    """examples/train.py under torchrun, 2 ranks on CPU unless told otherwise, with the
+    whole stack installed. Arguments after ``--`` go to train.py, except
+    ``--nproc-per-node N``, which goes to torchrun: ``nox -s train -- --nproc-per-node 4
+    --wrapper ddp``."""
+    _install_stack(session, "rich==15.0.0", "matplotlib==3.11.2")
+    nproc, args = "2", list(session.posargs)
+    for i, arg in enumerate(args):
+        if arg.startswith("--nproc-per-node="):
+            nproc = arg.split("=", 1)[1]
+            del args[i]
+            break
+        if arg == "--nproc-per-node" and i + 1 < len(args):
+            nproc = args[i + 1]
+            del args[i : i + 2]
+            break
+    session.run(
+        "torchrun", "--standalone", f"--nproc-per-node={nproc}",
+        str(ROOT / "examples" / "train.py"), *args,
+        env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")},
+    )  # fmt: skip
+
+
+@nox.session
 def bench(session: nox.Session) -> None:
     """Benchmarks against torch's own implementations, printed as ratio tables."""
     _install_stack(session, "numpy")

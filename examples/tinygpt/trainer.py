@@ -1,0 +1,404 @@
+"""The training loop: build, resume, step, checkpoint, evaluate, report, sample."""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import signal
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .checkpoint import (
+    CheckpointError,
+    check_supported,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+)
+from .config import VOCAB_SIZE, TrainConfig
+from .data import BatchSampler, Corpus, load_corpus, rank_slice, windows
+from .distributed import DistEnv
+from .model import GPT
+from .parallel import (
+    accumulating,
+    autocast,
+    build_optimizer,
+    build_parallel,
+    clip_grad_norm,
+    set_lr,
+)
+from .report import (
+    MemoryBytes,
+    Reporter,
+    gather_memory,
+    grad_bytes,
+    human_bytes,
+    memory_line,
+    optim_bytes,
+    param_bytes,
+    peak_rss_bytes,
+    plot_history,
+    summary_table,
+)
+from .sample import generate
+from .stopping import StopRequest
+
+
+@dataclass(kw_only=True, slots=True)
+class RunResult:
+    """How one invocation of the program ended."""
+
+    first_step: int  # the step this invocation started after (0: a fresh run)
+    last_step: int  # the last step completed
+    interrupted: bool  # stopped by a signal before reaching --steps
+    train_s: float  # wall time of the training loop, checkpoints included
+    val_loss: float | None
+    checkpoint: Path | None  # the newest checkpoint written
+
+
+def _broadcast_path(path: Path | None) -> Path | None:
+    """Rank 0's answer for everyone, so all ranks act on the same checkpoint."""
+    box: list[Path | None] = [path]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+class Trainer:
+    """Owns the wrapped model, the optimizer, the data position and the history."""
+
+    cfg: TrainConfig
+    env: DistEnv
+    model: nn.Module  # wrapped: FSDP or DDP
+    optimizer: torch.optim.Optimizer
+    corpus: Corpus
+    sampler: BatchSampler
+    reporter: Reporter
+    num_params: int  # of the unwrapped model
+    step: int  # optimizer steps completed, over all sessions
+    session: int  # 0 for a fresh run, +1 per resume
+    history: list[dict[str, Any]]  # one record per step, over all sessions
+    memory: list[MemoryBytes]  # per rank, at the latest log step
+    _memory: MemoryBytes  # this rank's, measured inside the latest log step
+    last_checkpoint: Path | None
+
+    def __init__(self, cfg: TrainConfig, env: DistEnv) -> None:
+        self.cfg, self.env = cfg, env
+        self.reporter = Reporter(env.is_main, cfg.out_dir, cfg.progress)
+        # Same seed on every rank: identical replicas before wrapping.
+        torch.manual_seed(cfg.seed)
+        model = GPT(
+            vocab_size=VOCAB_SIZE,
+            seq_len=cfg.seq_len,
+            n_layer=cfg.n_layer,
+            n_head=cfg.n_head,
+            d_model=cfg.d_model,
+            dropout=cfg.dropout,
+        )
+        self.num_params = sum(p.numel() for p in model.parameters())
+        self.model = build_parallel(model, cfg, env)
+        self.optimizer = build_optimizer(self.model, cfg)
+        if cfg.checkpoint_every:
+            check_supported(self.model, self.optimizer)
+        torch.manual_seed(self._rank_seed(0))  # each rank its own stream (dropout)
+        self.corpus = load_corpus(cfg.data, cfg.val_fraction, cfg.seq_len)
+        self.sampler = BatchSampler(len(self.corpus.train), cfg.seq_len, cfg.seed)
+        self.step, self.session, self.history = 0, 0, []
+        self.memory, self.last_checkpoint = [], None
+
+    def _rank_seed(self, step: int) -> int:
+        return (self.cfg.seed * 1_000_003 + step) * 1_009 + self.env.rank + 1
+
+    # ---- start or resume ------------------------------------------------------------
+
+    def start(self) -> None:
+        """Resume from the newest checkpoint (--resume), or refuse to mix a fresh run
+        into a folder of old checkpoints unless --overwrite says to clear it."""
+        cfg, root = self.cfg, self.cfg.checkpoints
+        latest = _broadcast_path(latest_checkpoint(root) if self.env.is_main else None)
+        if cfg.resume:
+            if latest is None:
+                raise CheckpointError(
+                    f"--resume: no checkpoint in {root}; run without --resume to start, "
+                    "or point --checkpoint-dir at the run to continue"
+                )
+            self._resume(latest)
+        elif latest is not None and cfg.checkpoint_every:
+            if not cfg.overwrite:
+                raise CheckpointError(
+                    f"{root} already holds checkpoints (newest: {latest.name}): pass "
+                    "--resume to continue that run, or --overwrite to delete them and "
+                    "start again (or choose another --checkpoint-dir)"
+                )
+            if self.env.is_main:
+                for _, path in list_checkpoints(root):
+                    shutil.rmtree(path)
+            dist.barrier()
+        self.reporter.write_history(self.history)
+
+    def _resume(self, path: Path) -> None:
+        state = load_checkpoint(path, self.model, self.optimizer, self.cfg.model_shape())
+        self.step, self.history = state["step"], state["history"]
+        self.session = state["session"] + 1
+        self.sampler.load_state_dict(state["sampler"])
+        self.last_checkpoint = path
+        if not state["rng_restored"]:
+            torch.manual_seed(self._rank_seed(self.step))
+        note = ""
+        if state["world_size"] != self.env.world_size:
+            note = f" (saved by {state['world_size']} ranks, now {self.env.world_size})"
+        self.reporter.print(f"resumed from {path} at step {self.step}{note}")
+        if state["data_order"] != self.cfg.data_order():
+            self.reporter.print(
+                f"warning: data options changed since the checkpoint "
+                f"({state['data_order']} -> {self.cfg.data_order()}): the continued loss "
+                "curve will not match an uninterrupted run"
+            )
+
+    def trainer_state(self) -> dict[str, Any]:
+        """What a checkpoint needs beyond model and optimizer (JSON-serializable)."""
+        return {
+            "step": self.step,
+            "session": self.session,
+            "sampler": self.sampler.state_dict(),
+            "history": self.history,
+            "world_size": self.env.world_size,
+            "model_shape": self.cfg.model_shape(),
+            "data_order": self.cfg.data_order(),
+        }
+
+    def save(self) -> Path:
+        """A checkpoint of the current step (collective)."""
+        path = save_checkpoint(
+            self.cfg.checkpoints,
+            self.step,
+            model=self.model,
+            optimizer=self.optimizer,
+            trainer_state=self.trainer_state(),
+            keep=self.cfg.keep_checkpoints,
+        )
+        self.last_checkpoint = path
+        return path
+
+    # ---- the loop -------------------------------------------------------------------
+
+    def fit(self) -> RunResult:
+        """Train up to --steps, checkpointing every --checkpoint-every steps; on SIGINT
+        or SIGTERM stop after the current step with a checkpoint (see [Note: stopping
+        together] in stopping.py)."""
+        cfg = self.cfg
+        first_step = self.step
+        interrupted = False
+        t0 = time.perf_counter()
+        with (
+            StopRequest(label=f"[rank {self.env.rank}] ") as stop,
+            self.reporter.progress(cfg.steps, self.step),
+        ):
+            while self.step < cfg.steps:
+                step = self.step + 1
+                self._inject_faults(step)
+                log_now = step % cfg.log_every == 0 or step == first_step + 1
+                record, stop_now = self.train_step(step, stop.requested, measure=log_now)
+                self.step = step
+                self.history.append(record)
+                self.reporter.append_metrics(record)
+                self.reporter.advance(record)
+                if log_now:
+                    self.memory = gather_memory(self._memory, self.env.device)
+                    self._log(record)
+                if cfg.checkpoint_every and (
+                    stop_now or step % cfg.checkpoint_every == 0 or step == cfg.steps
+                ):
+                    self.save()
+                if stop_now:
+                    cause = (
+                            f"{stop.signal_name} received" if stop.requested
+                            else "another rank was asked to stop"
+                        )  # fmt: skip
+                    saved = (
+                        f"checkpoint {self.last_checkpoint}; continue with --resume"
+                        if cfg.checkpoint_every
+                        else "no checkpoint (--checkpoint-every 0)"
+                    )
+                    self.reporter.print(f"stopped after step {step} ({cause}): {saved}")
+                    interrupted = True
+                    break
+        train_s = time.perf_counter() - t0
+        val_loss = None if interrupted else self.evaluate()
+        return RunResult(
+            first_step=first_step,
+            last_step=self.step,
+            interrupted=interrupted,
+            train_s=train_s,
+            val_loss=val_loss,
+            checkpoint=self.last_checkpoint,
+        )
+
+    def train_step(
+        self, step: int, stop_requested: bool, *, measure: bool
+    ) -> tuple[dict[str, Any], bool]:
+        """One optimizer step over the global batch; returns its metrics record and
+        whether any rank asked to stop."""
+        cfg, env = self.cfg, self.env
+        t0 = time.perf_counter()
+        lr = cfg.lr_at(step)
+        set_lr(self.optimizer, lr)
+        mine = rank_slice(self.sampler.next_batch(cfg.batch_size), env.rank, env.world_size)
+        loss_sum = torch.zeros((), device=env.device)
+        self.model.train()
+        micro_batches = mine.chunk(cfg.grad_accum)
+        for i, starts in enumerate(micro_batches):
+            x, y = windows(self.corpus.train, starts, cfg.seq_len)
+            x, y = x.to(env.device), y.to(env.device)
+            with accumulating(self.model, i == len(micro_batches) - 1), autocast(cfg, env):
+                logits = self.model(x)
+                loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+                (loss / cfg.grad_accum).backward()
+            loss_sum += loss.detach()
+        if measure:
+            params, grads = param_bytes(self.model), grad_bytes(self.model)
+        grad_norm = clip_grad_norm(self.model, cfg.clip_grad)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if measure:
+            self._memory = MemoryBytes(params, grads, optim_bytes(self.optimizer))
+        # One small all-reduce per step: the mean loss, and whether anyone must stop.
+        stats = torch.stack(
+            [loss_sum / cfg.grad_accum, torch.tensor(float(stop_requested), device=env.device)]
+        )
+        dist.all_reduce(stats)
+        loss, stops = stats.tolist()
+        step_s = time.perf_counter() - t0
+        record = {
+            "step": step,
+            "loss": loss / env.world_size,
+            "lr": lr,
+            "grad_norm": float(grad_norm),
+            "step_s": step_s,
+            "tokens_per_s": cfg.batch_size * cfg.seq_len / step_s,
+            "world_size": env.world_size,
+            "session": self.session,
+        }
+        return record, stops > 0
+
+    def _inject_faults(self, step: int) -> None:
+        """The test hooks of --inject-*: act as Ctrl-C, or as a crashing rank."""
+        cfg = self.cfg
+        if self.env.rank != cfg.inject_rank:
+            return
+        if step == cfg.inject_sigint_at_step:
+            os.kill(os.getpid(), signal.SIGINT)
+        if step == cfg.inject_crash_at_step:
+            print(f"[rank {self.env.rank}] --inject-crash-at-step {step}: dying", flush=True)
+            os._exit(3)
+
+    def _log(self, record: dict[str, Any]) -> None:
+        window = self.history[-self.cfg.log_every :]
+        tokens = self.cfg.batch_size * self.cfg.seq_len * len(window)
+        tps = tokens / sum(r["step_s"] for r in window)
+        self.reporter.print(
+            f"step {record['step']:>5}/{self.cfg.steps} | loss {record['loss']:.4f} | "
+            f"lr {record['lr']:.2e} | {tps / 1e3:.1f}k tok/s | {memory_line(self.memory)}"
+        )
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        """Mean loss per byte on held-out windows, split across ranks (collective)."""
+        cfg, env = self.cfg, self.env
+        available = (len(self.corpus.val) - 1) // cfg.seq_len
+        count = min(max(cfg.eval_windows, env.world_size), available)
+        if cfg.eval_windows == 0 or count < env.world_size:
+            return None
+        starts = (torch.arange(count) * cfg.seq_len).tensor_split(env.world_size)[env.rank]
+        x, y = windows(self.corpus.val, starts, cfg.seq_len)
+        self.model.eval()
+        with autocast(cfg, env):
+            logits = self.model(x.to(env.device)).float()
+        loss_sum = F.cross_entropy(
+            logits.flatten(0, 1), y.to(env.device).flatten(), reduction="sum"
+        )
+        stats = torch.stack([loss_sum, torch.tensor(float(y.numel()), device=env.device)])
+        dist.all_reduce(stats)
+        self.model.train()
+        return float(stats[0] / stats[1])
+
+    # ---- the end --------------------------------------------------------------------
+
+    def summarize(self, result: RunResult) -> None:
+        """The summary table and the plot (collective for the memory figures)."""
+        cfg, env = self.cfg, self.env
+        rss = torch.tensor([peak_rss_bytes()], dtype=torch.int64, device=env.device)
+        all_rss = [torch.empty_like(rss) for _ in range(env.world_size)]
+        dist.all_gather(all_rss, rss)
+        if not env.is_main:
+            return
+        ran = [r for r in self.history if r["step"] > result.first_step]
+        # The first step of an invocation pays for warm-up; leave it out of the rate.
+        steady = ran[1:] or ran
+        tps = (
+            sum(cfg.batch_size * cfg.seq_len for _ in steady) / sum(r["step_s"] for r in steady)
+            if steady
+            else math.nan
+        )
+        tail = [r["loss"] for r in self.history[-cfg.log_every :]]
+        median_ms = statistics.median(r["step_s"] for r in ran) * 1e3 if ran else math.nan
+        wrapper: str = cfg.wrapper
+        if cfg.wrapper == "fsdp":
+            wrapper += f" {cfg.sharding_strategy}"
+        if cfg.wrapper != "ddp":
+            wrapper += f" ({cfg.impl})"
+        rows = [
+            ("model", f"GPT {cfg.n_layer} layers x {cfg.d_model} wide, {cfg.n_head} heads, "
+                      f"{self.num_params / 1e6:.2f}M parameters, byte-level"),
+            ("parallelism", f"{wrapper}, {env.world_size} ranks, {env.device.type}/"
+                            f"{env.backend}, {cfg.mixed_precision}"
+                            + (", cpu offload" if cfg.cpu_offload else "")),
+            ("steps", f"{result.last_step} of {cfg.steps} (this run: {len(ran)}"
+                      + (f", resumed at {result.first_step}" if result.first_step else "")
+                      + (", interrupted" if result.interrupted else "") + ")"),
+            ("batch", f"{cfg.batch_size} x {cfg.seq_len} bytes = "
+                      f"{cfg.batch_size * cfg.seq_len:,} tokens/step, "
+                      f"grad accum {cfg.grad_accum}"),
+            ("training time", f"{result.train_s:.1f} s, median step {median_ms:.0f} ms"),
+            ("throughput", f"{tps:,.0f} tokens/s (all ranks, first step excluded)"),
+            ("loss", f"{self.history[0]['loss']:.3f} at step 1 -> "
+                     f"{statistics.fmean(tail):.3f} (mean of the last {len(tail)} steps)"
+                     if self.history else "-"),
+            ("val loss", "-" if result.val_loss is None else f"{result.val_loss:.3f}"),
+        ]  # fmt: skip
+        for rank, mem in enumerate(self.memory):
+            rows.append(
+                (f"rank {rank} bytes", f"params {human_bytes(mem.params)}, grads "
+                 f"{human_bytes(mem.grads)}, optim {human_bytes(mem.optim)}, peak RSS "
+                 f"{human_bytes(int(all_rss[rank]))}")
+            )  # fmt: skip
+        plot = plot_history(self.history, result.val_loss, cfg.out_dir / "train.png")
+        rows += [
+            ("checkpoint", str(result.checkpoint)),
+            ("metrics", f"{self.reporter.metrics_path}, plot {plot}"),
+        ]
+        self.reporter.console.print(summary_table(rows, "run summary"))
+
+    def sample(self) -> None:
+        """A few continuations of --prompt (collective)."""
+        cfg = self.cfg
+        for i in range(cfg.sample_lines):
+            text = generate(
+                self.model,
+                cfg.prompt.encode(),
+                new_bytes=cfg.sample_chars,
+                seq_len=cfg.seq_len,
+                temperature=cfg.temperature,
+                seed=cfg.seed + i,
+                device=self.env.device,
+            )
+            self.reporter.print(f"--- sample {i + 1} ---\n{text.decode('utf-8', 'replace')}")
