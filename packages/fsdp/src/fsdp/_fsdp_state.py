@@ -66,6 +66,7 @@ class FSDPState:
     unit: FlatParamUnit | None  # None when the instance manages no parameters
     training_state: TrainingState
     is_root: bool | None  # None until the lazy initialisation at the first forward
+    parent: FSDPState | None  # the nearest enclosing FSDP instance, set when it is built
     ctx: RootContext | None  # shared with the whole tree; set by the root's lazy init
     sync_gradients: bool  # False inside no_sync()
     compute_device: torch.device
@@ -97,6 +98,7 @@ class FSDPState:
         self.unit = unit
         self.training_state = TrainingState.IDLE
         self.is_root = None
+        self.parent = None
         self.ctx = None
         self.sync_gradients = True
         self.compute_device = compute_device
@@ -149,6 +151,12 @@ class FSDPState:
         :class:`RootContext`; buffers get their mixed-precision dtype.
         """
         if self.is_root is not None:
+            return
+        if self.parent is not None:  # only the outermost instance can be the root
+            top = self.parent
+            while top.parent is not None:
+                top = top.parent
+            top.lazy_init()
             return
         states = [s for m in self.module.modules() if (s := get_fsdp_state(m)) is not None]
         for s in states[1:]:

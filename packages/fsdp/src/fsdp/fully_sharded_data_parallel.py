@@ -209,6 +209,10 @@ class FullyShardedDataParallel(nn.Module):
             forward_prefetch=forward_prefetch,
             limit_all_gathers=limit_all_gathers,
         )
+        for m in module.modules():
+            inner = get_fsdp_state(m)
+            if inner is not None and inner.parent is None:
+                inner.parent = self._fsdp_state
         self.process_group = group
         self.rank = rank
         self.world_size = world_size
