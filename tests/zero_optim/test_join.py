@@ -1,10 +1,13 @@
 """Uneven inputs under ``torch.distributed.algorithms.join.Join``.
 
-Rank ``r`` has ``4 + 2 r`` batches. The reference is DDP with the plain
+Two epochs, each in its own ``Join``; in epoch ``e`` rank ``r`` has
+``2 + 2 r + e`` batches. The reference is DDP with the plain
 optimizer under ``Join([ddp])``: ranks that run out stop, the others keep
 averaging over the initial world size, and DDP hands every rank the last
-rank's model at the end. Ours, under ``Join([ddp, zero])``, must end with
-exactly that model on every rank, although the ranks that ran out still own
+rank's model at the end (the test also hands over the last rank's optimizer
+state, which DDP does not, so that the reference stays one model in epoch 2).
+Ours, under ``Join([ddp, zero])``, must end with exactly that model on every
+rank, although the ranks that ran out still own
 (and step) part of the parameters: see [Note: uneven inputs] in
 ``zero_optim/_optimizer.py``.
 """
@@ -32,12 +35,22 @@ def _uneven(variant: str, opt_name: str) -> list:  # type: ignore[type-arg]
     model, ddp, opt = build(variant, opt_name, "groups")
     rank = dist.get_rank()
     joinables = [ddp] if variant == PLAIN else [ddp, opt]
-    with Join(joinables):  # type: ignore[list-item]
-        for step in range(4 + 2 * rank):
-            x, y = batch(step, rank)
-            opt.zero_grad()
-            F.mse_loss(ddp(x), y).backward()
-            opt.step()
+    for epoch in range(2):  # a second Join context, as the next epoch would open
+        with Join(joinables):  # type: ignore[list-item]
+            for step in range(2 + 2 * rank + epoch):
+                x, y = batch(10 * epoch + step, rank)
+                opt.zero_grad()
+                F.mse_loss(ddp(x), y).backward()
+                opt.step()
+        if variant == PLAIN:
+            # DDP gave every rank the last rank's model, but the ranks that
+            # joined early kept stale optimizer state; give them the last
+            # rank's too, or the replicas drift apart in the next epoch.
+            state = [opt.state_dict()]
+            dist.broadcast_object_list(state, src=dist.get_world_size() - 1)
+            opt.load_state_dict(state[0])
+        else:
+            assert not getattr(opt, "_in_join", True)  # back to plain steps after the context
     return [p.detach().clone() for p in model.parameters()]
 
 

@@ -19,10 +19,11 @@ Under ``torch.distributed.algorithms.join.Join`` a rank that has run out of
 inputs keeps shadowing the others' collectives. DDP's join hook shadows the
 gradient all-reduce but discards its result, so the joined rank's ``.grad`` is
 stale, yet it still owns a shard that must be stepped with this iteration's
-gradients. Inside a Join context every step therefore starts with one small
-all-reduce of "who has joined"; if anyone has, a rank still training sends each
-joined rank the reduced gradients of the parameters it owns
-(``send_grads_to_joined``). With that, the model after an uneven run equals
+gradients. Inside a Join context (from ``join_hook()``, which ``Join`` calls
+when it is built, to the hook's ``post_hook``, which it calls on exit) every
+step therefore starts with one small all-reduce of "who has joined"; if anyone
+has, a rank still training sends each joined rank the reduced gradients of the
+parameters it owns (``send_grads_to_joined``). With that, the model after an uneven run equals
 DDP with the plain optimizer under Join, rather than depending on stale
 gradients.
 """
@@ -154,6 +155,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._trainable = self._trainable_mask()
         self._buckets = ParamBuckets()
         self._consolidated: dict[int, Any] | None = None  # global index -> state, on `to` only
+        # inside a Join context: from join_hook() (Join.__init__) to its post_hook (Join.__exit__)
+        self._in_join = False
 
         self._repartition()
         local_groups = self._local_param_groups()
@@ -183,7 +186,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             self._step_called_with_overlap()
             return None
         Join.notify_join_context(self)
-        if self._join_config.enable:  # see [Note: uneven inputs]
+        if self._in_join and self._join_config.enable:  # see [Note: uneven inputs]
             self._send_grads_to_joined(joined=False)
         self._begin_local_step()
         loss = self.optim.step(**kwargs) if closure is None else self.optim.step(closure, **kwargs)
@@ -525,10 +528,15 @@ class _ZeroJoinHook(JoinHook):
 
     def __init__(self, zero: ZeroRedundancyOptimizer) -> None:
         self._zero = zero
+        zero._in_join = True
 
     def main_hook(self) -> None:
         """Shadow one :meth:`ZeroRedundancyOptimizer.step` of the ranks still training."""
         self._zero._step_as_joined()
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        """Every rank has joined: steps no longer need to look for joined ranks."""
+        self._zero._in_join = False
 
 
 # ---------------------------------------------------------------- checks
