@@ -41,14 +41,16 @@ def main(argv: list[str] | None = None) -> int:
         trainer.sample()
         return 0
     except (WrapperNotAvailableError, CheckpointError, ValueError) as exc:
-        print(f"[rank {rank}] error: {exc}", file=sys.stderr, flush=True)
+        if rank in ("?", "0"):  # the same mistake on every rank: say it once
+            print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
     except Exception as exc:
         if not is_peer_failure(exc):
             raise
         latest = latest_checkpoint(cfg.checkpoints)
+        where = f" in step {trainer.step + 1}" if trainer is not None else ""
         print(
-            f"[rank {rank}] stopping: a collective failed, most likely because another "
+            f"[rank {rank}] stopping: a collective failed{where}, most likely because another "
             f"rank died or stopped responding (see its error above; this rank waited at "
             f"most --pg-timeout {cfg.pg_timeout:g} s).\n"
             f"  {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}\n"
