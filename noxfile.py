@@ -20,6 +20,8 @@ PACKAGES = ["flatparam", "zero_optim", "fsdp", "ckpt"]
 TORCH = shlex.split(os.environ.get("FSDP_TORCH_SPEC", "torch==2.13.0"))
 TEST_DEPS = ["pytest==9.2.0", "pytest-timeout==2.4.0", "hypothesis==6.170.15", "numpy"]
 TYPE_DEPS = ["mypy==2.4.1", "pytest==9.2.0", "hypothesis==6.170.15", "numpy"]
+# What examples/train.py needs beyond the stack (its end-to-end test runs in `tests`).
+EXAMPLE_DEPS = ["rich==15.0.0", "matplotlib==3.11.2"]
 LINT_DEPS = ["ruff==0.17.6"]
 
 nox.options.sessions = ["tests", "typecheck", "lint"]
@@ -39,7 +41,7 @@ def _install_stack(session: nox.Session, *extra: str) -> None:
 @nox.session
 def tests(session: nox.Session) -> None:
     """All four packages installed (not editable) and pytest over tests/."""
-    _install_stack(session, *TEST_DEPS)
+    _install_stack(session, *TEST_DEPS, *EXAMPLE_DEPS)
     session.run("pytest", "tests", *session.posargs, env={"OMP_NUM_THREADS": "1"})
 
 
@@ -47,9 +49,15 @@ def tests(session: nox.Session) -> None:
 def typecheck(session: nox.Session) -> None:
     """mypy --strict over every package's src, each package on its own."""
     session.install(*TORCH)
-    session.install(*TYPE_DEPS)
+    session.install(*TYPE_DEPS, *EXAMPLE_DEPS)
     for name in PACKAGES:
         session.run("mypy", "--strict", str(ROOT / "packages" / name / "src" / name))
+    examples = ROOT / "examples"
+    session.run(
+        "mypy", "--strict", str(examples / "train.py"), str(examples / "tinygpt"),
+        str(examples / "data" / "make_corpus.py"),
+        env={"MYPYPATH": f"{examples}:{examples / 'data'}"},
+    )  # fmt: skip
 
 
 @nox.session
@@ -112,7 +120,7 @@ def train(session: nox.Session) -> None:
     whole stack installed. Arguments after ``--`` go to train.py, except
     ``--nproc-per-node N``, which goes to torchrun: ``nox -s train -- --nproc-per-node 4
     --wrapper ddp``."""
-    _install_stack(session, "rich==15.0.0", "matplotlib==3.11.2")
+    _install_stack(session, *EXAMPLE_DEPS)
     nproc, args = "2", list(session.posargs)
     for i, arg in enumerate(args):
         if arg.startswith("--nproc-per-node="):
