@@ -5,16 +5,19 @@ line) and ``run(options: Options) -> list[Table]``; ``python -m benchmarks``
 finds it, runs it and prints its tables (see ``benchmarks/__main__.py``). A
 typical ``run``:
 
-1. For each variant being compared, :func:`launch` a module-level function on
-   ``N`` fresh rank processes. Fresh processes make the peak RSS of each
-   variant its own (peak RSS never goes down within a process).
-2. Inside a rank, build the model, time the steps with :func:`time_steps`
-   (a barrier before each, so the ranks start each step together) and return a
-   :class:`RankReport` with the step times, :func:`peak_rss_bytes` and any
-   extra numbers (bytes of optimizer state, ...).
-3. Combine the ranks with :func:`step_time_s` (each step lasts as long as its
-   slowest rank; the median over steps) and build a :class:`Table` whose ratio
-   columns come from :func:`ratio`.
+1. Time: :func:`launch` one module-level function on ``N`` rank processes
+   that builds every variant and times their steps with
+   :func:`time_round_robin`: one step of each variant in turn, a barrier
+   before each. Load from other processes on the machine then slows every
+   variant alike, which separate runs per variant cannot promise.
+2. Memory: :func:`launch` each variant again in fresh processes (peak RSS
+   never goes down within a process) and read :func:`peak_rss_bytes`.
+3. Combine the ranks with :func:`median_step_s` (each step lasts as long as
+   its slowest rank; the median over steps) and build a :class:`Table` whose
+   ratio columns come from :func:`ratio`.
+
+Ranks return small picklable values (numbers, hashes), not tensors: the
+launching process should stay small, and it imports no torch itself.
 
 Ranks use gloo on CPU tensors unless the benchmark moves its model to CUDA;
 :func:`time_steps` synchronises CUDA when it is in use, so the times are
@@ -46,9 +49,10 @@ __all__ = [
     "fmt_bytes",
     "fmt_ms",
     "launch",
+    "median_step_s",
     "peak_rss_bytes",
     "ratio",
-    "step_time_s",
+    "time_round_robin",
     "time_steps",
 ]
 
@@ -74,7 +78,7 @@ class Options:
 
 @dataclass
 class RankReport:
-    """What one rank measured for one variant."""
+    """What one rank measured for one variant (keep it small: it is pickled home)."""
 
     step_times_s: list[float]  # one wall time per timed step, in order
     peak_rss_bytes: int
@@ -189,21 +193,53 @@ def time_steps(step: Callable[[], object], *, warmup: int, iters: int) -> list[f
     return times
 
 
+def time_round_robin(
+    steps: dict[str, Callable[[], object]], *, warmup: int, iters: int
+) -> dict[str, list[float]]:
+    """Wall times of ``iters`` steps of every variant, taken in turns.
+
+    Round ``i`` runs one step of each variant, starting at a different variant
+    each round; each timed step is lined up by :func:`time_steps`' barrier.
+    Returns each variant's times in its own step order.
+    """
+    names = list(steps)
+    for name in names:
+        for _ in range(warmup):
+            steps[name]()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for i in range(iters):
+        shift = i % len(names)
+        for name in names[shift:] + names[:shift]:
+            times[name] += time_steps(steps[name], warmup=0, iters=1)
+    return times
+
+
 def peak_rss_bytes() -> int:
-    """This process's peak resident set size so far, in bytes."""
+    """This process's peak resident set size so far, in bytes.
+
+    On Linux it is ``VmHWM`` from ``/proc/self/status``: the peak of this
+    process's own memory since it started. ``getrusage``'s ``ru_maxrss`` would
+    also count its parent's resident set at the moment it was forked, which
+    survives ``exec`` and makes spawned ranks look as big as their launcher.
+    """
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # reported in kB
+    except OSError:
+        pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB
 
 
-def step_time_s(reports: Sequence[Sequence[RankReport]]) -> float:
-    """Median step time over runs and steps; each step lasts as long as its slowest rank.
+def median_step_s(per_rank_times: Sequence[Sequence[float]]) -> float:
+    """Median step time; each step lasts as long as its slowest rank.
 
-    ``reports[run][rank]``: every run of one variant, all ranks of each run.
+    ``per_rank_times[rank][step]``: one variant's step times on every rank (the
+    steps of several runs may be concatenated, in the same order on each rank).
     """
-    pooled: list[float] = []
-    for ranks in reports:
-        pooled += [max(ts) for ts in zip(*(r.step_times_s for r in ranks), strict=True)]
-    return statistics.median(pooled)
+    return statistics.median(max(ts) for ts in zip(*per_rank_times, strict=True))
 
 
 # ------------------------------------------------------------------ reporting
