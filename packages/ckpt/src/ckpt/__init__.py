@@ -7,6 +7,7 @@ by one atomic rename after all ranks finish, with a manifest of checksums that
 training loop. See the package README.
 """
 
+from ckpt._adapters import register_builtin_adapters
 from ckpt._checkpoint import (
     AsyncSave,
     CheckpointInfo,
@@ -29,6 +30,7 @@ from ckpt._errors import (
 from ckpt._fsdp_model_state import LocalShardMismatchError
 from ckpt._manager import CheckpointManager
 from ckpt._manifest import MANIFEST_NAME, Checksum, FileRecord, Manifest
+from ckpt._optim_state import load_optim_state_dict, optim_state_dict
 from ckpt._state import StateAdapter, StateContext, Stateful, register_adapter
 from ckpt._state_dict_type import get_state_dict_type, set_state_dict_type, state_dict_type
 from ckpt._version import __version__
@@ -81,6 +83,8 @@ __all__ = [
     "async_save",
     "get_state_dict_type",
     "load",
+    "load_optim_state_dict",
+    "optim_state_dict",
     "register_adapter",
     "save",
     "set_state_dict_type",
@@ -88,3 +92,5 @@ __all__ = [
     "verify",
     "wait_pending",
 ]
+
+register_builtin_adapters()
