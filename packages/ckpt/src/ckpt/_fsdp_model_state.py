@@ -17,8 +17,8 @@ between forward passes). The post-hook replaces that key:
   one unit unsharded at any time, and other ranks never hold a full copy.
 * SHARDED: the same gather, then each parameter's dimension-0 chunk as a DTensor
   (see [Note: SHARDED is chunked per original parameter] in ``_fsdp_units.py``).
-* LOCAL: the shard itself as a ``ShardedTensor`` of the unpadded flat tensor (the
-  offsets of every rank's shard are its metadata), no communication.
+* LOCAL: the shard itself (padding included) as a ``DTensor`` of the padded flat
+  tensor, which ``Shard(0)`` splits exactly as fsdp does; no communication.
 
 Loading is the mirror image: the pre-hook takes the unit's keys out of the incoming
 dict, rebuilds this rank's shard (from full tensors, from DTensors gathered
@@ -36,11 +36,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed._shard.sharded_tensor import init_from_local_shards
-from torch.distributed._shard.sharded_tensor.api import ShardedTensor
-from torch.distributed._shard.sharded_tensor.shard import Shard as LocalShard
+from torch.distributed.tensor import DTensor, Shard
 
-from ckpt._fsdp_units import UnitView, full_value, gather_flat, inner_key, param_entries, to_dtensor
+from ckpt._fsdp_units import (
+    UnitView,
+    full_value,
+    gather_flat,
+    inner_key,
+    mesh_for,
+    param_entries,
+    to_dtensor,
+)
 from flatparam import shard_flat
 from fsdp._common import FLAT_PARAM, TrainingState
 from fsdp._flat_param_unit import FlatParamUnit
@@ -99,7 +105,7 @@ def post_state_dict(module: nn.Module, state_dict: dict[str, Any], prefix: str) 
     produced: dict[str, Any] = {}
     if view is not None:
         if sd_type is StateDictType.LOCAL_STATE_DICT:
-            produced[flat_key] = _local_sharded_tensor(view.unit, offload)
+            produced[flat_key] = _local_dtensor(view.unit, offload)
         else:
             produced.update(_unit_params(view, sd_type, offload, rank0_only))
     else:
@@ -154,20 +160,26 @@ def _strip_inner_prefix(
         state_dict[new_key] = value
 
 
-def _local_sharded_tensor(unit: FlatParamUnit, offload: bool) -> ShardedTensor | Tensor:
-    """This rank's unpadded shard in a ShardedTensor of the unpadded flat tensor.
+def _local_dtensor(unit: FlatParamUnit, offload: bool) -> DTensor | Tensor:
+    """This rank's padded shard as a DTensor of the padded flat tensor.
 
-    An unsharded unit (NO_SHARD, one rank) holds the whole flat tensor on every
-    rank: a plain (replicated) tensor then.
+    The padded flat tensor (``padded_numel = world_size * shard_numel``) splits into
+    equal chunks, so ``Shard(0)`` describes the flat shards exactly. An unsharded
+    unit (NO_SHARD, one rank) holds the whole flat tensor on every rank: a plain
+    (replicated) tensor then.
     """
+    data = _copy_out(unit.flat_param.detach(), offload)
     if not unit.config.shard:
-        return _copy_out(unit.flat_param.detach(), offload)
-    rank = unit.config.rank
-    start, _ = unit.layout.bounds(rank)
-    n = unit.layout.data_numel(rank)
-    data = _copy_out(unit.flat_param.detach()[:n], offload)
-    shards = [LocalShard.from_tensor_and_offsets(data, [start], rank)] if n else []
-    return init_from_local_shards(shards, unit.layout.full_numel, process_group=unit.config.group)
+        return data
+    mesh = mesh_for(unit.config.group, data.device.type)
+    return DTensor.from_local(
+        data,
+        mesh,
+        [Shard(0)],
+        run_check=False,
+        shape=torch.Size([unit.layout.padded_numel]),
+        stride=(1,),
+    )
 
 
 def local_shard_of(unit: FlatParamUnit, value: Any, key: str) -> Tensor:
@@ -176,49 +188,34 @@ def local_shard_of(unit: FlatParamUnit, value: Any, key: str) -> Tensor:
     Raises :class:`LocalShardMismatchError` when the value was made for another shard
     layout: a LOCAL state dict only loads at the world size (and model) that saved it.
     """
-    rank = unit.config.rank if unit.config.shard else 0
-    n = unit.layout.data_numel(rank)
-    if isinstance(value, ShardedTensor):
-        size = tuple(value.size())
-        if size != (unit.layout.full_numel,):
+    world = unit.config.world_size if unit.config.shard else 1
+    if isinstance(value, DTensor):
+        saved_world = value.device_mesh.size()
+        if saved_world != world or value.placements != (Shard(0),):
             raise LocalShardMismatchError(
-                f"{key}: the LOCAL state dict holds a flat parameter of {size} elements, this "
-                f"model's has ({unit.layout.full_numel},): it was saved from another model"
+                f"{key}: the LOCAL state dict was saved on {saved_world} ranks ("
+                f"{value.placements}), this model is sharded over {world}: a LOCAL state "
+                f"dict loads only at the world size that saved it; save with "
+                f"SHARDED_STATE_DICT or FULL_STATE_DICT to change world size"
             )
-        saved = sorted(
-            (m.shard_offsets[0], m.shard_sizes[0]) for m in value.metadata().shards_metadata
-        )
-        world = unit.config.world_size if unit.config.shard else 1
-        expected = sorted(
-            (unit.layout.bounds(r)[0], unit.layout.data_numel(r))
-            for r in range(world)
-            if unit.layout.data_numel(r)
-        )
-        if saved != expected:
+        if tuple(value.shape) != (unit.layout.padded_numel,):
             raise LocalShardMismatchError(
-                f"{key}: the LOCAL state dict was saved with {len(saved)} flat shards "
-                f"{saved} (offset, numel), this model at world size {world} has "
-                f"{expected}: a LOCAL state dict loads only at the world size that saved "
-                f"it; save with SHARDED_STATE_DICT or FULL_STATE_DICT to change world size"
+                f"{key}: the LOCAL state dict holds a padded flat parameter of "
+                f"{tuple(value.shape)} elements, this model's has "
+                f"({unit.layout.padded_numel},): it was saved from another model"
             )
-        local = value.local_shards()
-        data = local[0].tensor if local else torch.empty(0, dtype=unit.flat_param.dtype)
+        data = value.to_local()
     elif isinstance(value, Tensor):
         data = value.detach().reshape(-1)
-        if data.numel() not in {n, unit.layout.shard_numel}:
+        if data.numel() != unit.layout.shard_numel:
             raise LocalShardMismatchError(
-                f"{key}: the LOCAL state dict holds a shard of {data.numel()} elements, "
-                f"this rank's shard has {n} (+{unit.layout.num_padded(rank)} padding): it "
-                f"was saved at another world size or from another model"
+                f"{key}: the LOCAL state dict holds a flat shard of {data.numel()} elements, "
+                f"this rank's has {unit.layout.shard_numel}: it was saved at another world "
+                f"size or from another model"
             )
-        data = data[:n]
     else:
-        raise TypeError(f"{key}: expected a ShardedTensor or tensor, got {type(value).__name__}")
-    out = torch.zeros(
-        unit.layout.shard_numel, dtype=unit.flat_param.dtype, device=unit.flat_param.device
-    )
-    out[:n].copy_(data)
-    return out
+        raise TypeError(f"{key}: expected a DTensor or tensor, got {type(value).__name__}")
+    return data.to(device=unit.flat_param.device, dtype=unit.flat_param.dtype, copy=True)
 
 
 def pre_load_state_dict(

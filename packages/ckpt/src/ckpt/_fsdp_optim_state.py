@@ -361,7 +361,16 @@ def optim_state_dict(
     """
     sd_type, rank0_only, offload = _settings(model)
     if sd_type is StateDictType.LOCAL_STATE_DICT:
-        return optim.state_dict() if optim_state_dict is None else optim_state_dict
+        # The flat shards by index, as optim.state_dict() has them, but copied: the
+        # optimizer's own tensors would change under the next step.
+        local = optim.state_dict() if optim_state_dict is None else optim_state_dict
+        device = torch.device("cpu") if offload else None
+        return {
+            "state": {
+                i: {k: _copy(v, device) for k, v in s.items()} for i, s in local["state"].items()
+            },
+            "param_groups": copy.deepcopy(local["param_groups"]),
+        }
     return fsdp_optim_state_dict(
         model,
         optim,

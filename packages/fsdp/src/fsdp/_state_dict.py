@@ -109,12 +109,22 @@ def _post_state_dict(
     try:
         inner = prefix + FSDP_PREFIX
         orig_dtypes = buffer_orig_dtypes_by_key(state, prefix)
+        # An unsharded unit's summoned parameters alias its FlatParameter: copy them, or
+        # the next optimizer step would change the returned state dict.
+        flat_storage = (
+            state.unit.flat_param.untyped_storage().data_ptr() if state.unit is not None else None
+        )
         for key in [k for k in state_dict if k.startswith(inner)]:
             value = state_dict.pop(key)
             new_key = prefix + key[len(inner) :]
             dtype = orig_dtypes.get(new_key)
             if dtype is not None and isinstance(value, torch.Tensor):
                 value = value.to(dtype)
+            if (
+                isinstance(value, torch.Tensor)
+                and value.untyped_storage().data_ptr() == flat_storage
+            ):
+                value = value.clone()
             state_dict[new_key] = value
     finally:
         _exit(state)
