@@ -23,7 +23,7 @@ LR = 1e-2
 
 def wrap(kind: str, seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
     """A model (same initial weights for a seed) and its optimizer under ``kind``."""
-    from fsdp import FullyShardedDataParallel as FSDP
+    from fsdp import FullyShardedDataParallel as FSDP  # noqa: N817
     from fsdp.wrap import ModuleWrapPolicy
     from zero_optim import ZeroRedundancyOptimizer
 

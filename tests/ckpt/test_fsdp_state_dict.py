@@ -112,7 +112,7 @@ def _broadcast(obj: Any) -> Any:
 
 
 def _rank_types() -> dict[str, Any]:
-    from fsdp import FullyShardedDataParallel as FSDP
+    from fsdp import FullyShardedDataParallel as FSDP  # noqa: N817
 
     rank = dist.get_rank()
     model, optim = wrap("fsdp")
@@ -162,7 +162,7 @@ def _rank_full_rank0_bytes() -> dict[str, int]:
     """Count the bytes of gathered (unsharded) units alive at each moment of a FULL
     rank0_only + offload_to_cpu state_dict: never more than one unit's."""
     import ckpt._fsdp_model_state as model_state
-    from fsdp import FullyShardedDataParallel as FSDP
+    from fsdp import FullyShardedDataParallel as FSDP  # noqa: N817
 
     model, _ = wrap("fsdp")
     units = [s.unit for s in (m._fsdp_state for m in FSDP.fsdp_modules(model)) if s.unit]
@@ -221,7 +221,7 @@ def _expect(kind: type[BaseException], pattern: str, fn: Any, *args: Any) -> str
 
 
 def _rank_errors(root: str) -> None:
-    from fsdp import FullyShardedDataParallel as FSDP
+    from fsdp import FullyShardedDataParallel as FSDP  # noqa: N817
     from fsdp.wrap import ModuleWrapPolicy
     from tests.fsdp._common import Block
 
