@@ -217,11 +217,6 @@ def double_backward() -> None:
 
 
 @case
-def state_dict_type_stub() -> None:
-    FullyShardedDataParallel.optim_state_dict(None, None)
-
-
-@case
 def int_device_without_cuda() -> None:
     if torch.cuda.is_available():
         raise ValueError("names a CUDA device but CUDA is not available (skipped: CUDA present)")
@@ -270,7 +265,6 @@ EXPECTED: dict[str, tuple[str, str]] = {
     "mixed_requires_grad_in_unit": ("ValueError", "all trainable or all frozen.*head.weight"),
     "shared_across_units": ("ValueError", "already flattened into another FSDP unit"),
     "double_backward": ("RuntimeError", "gradients of gradients"),
-    "state_dict_type_stub": ("NotImplementedError", "the ckpt package provides"),
     "int_device_without_cuda": ("ValueError", "names a CUDA device but CUDA is not available"),
     "meta_module": ("NotImplementedError", "meta device; deferred initialisation"),
     "comm_hook_not_callable": ("ValueError", "must be callable"),
