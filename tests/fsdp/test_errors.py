@@ -197,11 +197,6 @@ def double_backward() -> None:
 
 
 @case
-def state_dict_type_stub() -> None:
-    FullyShardedDataParallel.optim_state_dict(None, None)
-
-
-@case
 def int_device_without_cuda() -> None:
     if torch.cuda.is_available():
         raise ValueError("names a CUDA device but CUDA is not available (skipped: CUDA present)")
@@ -248,7 +243,6 @@ EXPECTED: dict[str, tuple[str, str]] = {
         "flattened.*Wrap both modules in one unit",
     ),
     "double_backward": ("RuntimeError", "gradients of gradients"),
-    "state_dict_type_stub": ("NotImplementedError", "the ckpt package provides"),
     "int_device_without_cuda": ("ValueError", "names a CUDA device but CUDA is not available"),
     "comm_hook_not_callable": ("ValueError", "must be callable"),
     "inner_used_as_root_first": ("RuntimeError", "already ran as a root"),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Generator, Iterable, Iterator
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 from torch import nn
@@ -25,10 +25,22 @@ from fsdp._deferred_init import has_meta_states, materialize_unit, modules_to_ma
 from fsdp._fsdp_state import FSDPState, get_fsdp_state
 from fsdp._ignored import resolve_ignored
 from fsdp._process_groups import HYBRID_STRATEGIES, resolve_process_groups
-from fsdp._state_dict import register_state_dict_hooks
+from fsdp._state_dict import ckpt_module, register_state_dict_hooks
 from fsdp._summon import summon_full_params as _summon_full_params
 from fsdp._summon import summon_unit
-from fsdp.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from fsdp.api import (
+    BackwardPrefetch,
+    CPUOffload,
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    MixedPrecision,
+    OptimStateDictConfig,
+    OptimStateKeyType,
+    ShardingStrategy,
+    StateDictConfig,
+    StateDictSettings,
+    StateDictType,
+)
 from fsdp.wrap import CustomPolicy, ModuleWrapPolicy, _auto_wrap
 
 __all__ = ["FullyShardedDataParallel"]
@@ -136,6 +148,10 @@ class FullyShardedDataParallel(nn.Module):
     limit_all_gathers: bool
     compute_device: torch.device
     _use_orig_params: bool
+    # Selected by ckpt.state_dict_type; see [Note: state-dict types live in ckpt].
+    _state_dict_type: StateDictType
+    _state_dict_config: StateDictConfig
+    _optim_state_dict_config: OptimStateDictConfig
 
     def __init__(  # noqa: PLR0917 (torch's FSDP signature)
         self,
@@ -286,6 +302,9 @@ class FullyShardedDataParallel(nn.Module):
         self.limit_all_gathers = limit_all_gathers
         self.compute_device = compute_device
         self._use_orig_params = False
+        self._state_dict_type = StateDictType.FULL_STATE_DICT
+        self._state_dict_config = FullStateDictConfig()
+        self._optim_state_dict_config = FullOptimStateDictConfig()
         register_state_dict_hooks(self)
 
     # --- the wrapped module ----------------------------------------------------------------------
@@ -535,70 +554,143 @@ class FullyShardedDataParallel(nn.Module):
             s.comm_hook_casts = hook in LOW_PRECISION_HOOKS
 
     # --- state dicts (the ckpt package) ---------------------------------------------------------
+    # The seed's static methods, delegating to ckpt (imported lazily: fsdp never needs it).
+    # See ckpt's functions of the same names for the full documentation.
 
     @staticmethod
-    def state_dict_type(*args: Any, **kwargs: Any) -> NoReturn:
-        """Select a state-dict type: provided by the ``ckpt`` package (fsdp issue 4)."""
-        _ckpt_feature("state_dict_type")
+    def set_state_dict_type(
+        module: nn.Module,
+        state_dict_type: StateDictType,
+        state_dict_config: StateDictConfig | None = None,
+        optim_state_dict_config: OptimStateDictConfig | None = None,
+    ) -> StateDictSettings:
+        """Select the state-dict type of every FSDP instance in ``module``; return the old one."""
+        impl = ckpt_module("_state_dict_type", "FullyShardedDataParallel.set_state_dict_type")
+        settings: StateDictSettings = impl.set_state_dict_type(
+            module, state_dict_type, state_dict_config, optim_state_dict_config
+        )
+        return settings
 
     @staticmethod
-    def set_state_dict_type(*args: Any, **kwargs: Any) -> NoReturn:
-        """Select a state-dict type: provided by the ``ckpt`` package (fsdp issue 4)."""
-        _ckpt_feature("set_state_dict_type")
+    def get_state_dict_type(module: nn.Module) -> StateDictSettings:
+        """The state-dict settings of the FSDP instances in ``module`` (all must agree)."""
+        impl = ckpt_module("_state_dict_type", "FullyShardedDataParallel.get_state_dict_type")
+        settings: StateDictSettings = impl.get_state_dict_type(module)
+        return settings
 
     @staticmethod
-    def get_state_dict_type(*args: Any, **kwargs: Any) -> NoReturn:
-        """Query the state-dict type: provided by the ``ckpt`` package (fsdp issue 4)."""
-        _ckpt_feature("get_state_dict_type")
+    @contextlib.contextmanager
+    def state_dict_type(
+        module: nn.Module,
+        state_dict_type: StateDictType,
+        state_dict_config: StateDictConfig | None = None,
+        optim_state_dict_config: OptimStateDictConfig | None = None,
+    ) -> Generator[None, None, None]:
+        """:meth:`set_state_dict_type` inside the context, the previous setting after it."""
+        impl = ckpt_module("_state_dict_type", "FullyShardedDataParallel.state_dict_type")
+        with impl.state_dict_type(
+            module, state_dict_type, state_dict_config, optim_state_dict_config
+        ):
+            yield
 
     @staticmethod
-    def optim_state_dict(*args: Any, **kwargs: Any) -> NoReturn:
-        """Optimizer state dict keyed by parameter names: the ``ckpt`` package (issue 4)."""
-        _ckpt_feature("optim_state_dict")
+    def optim_state_dict(
+        model: nn.Module,
+        optim: torch.optim.Optimizer,
+        optim_state_dict: dict[str, Any] | None = None,
+        group: Any = None,
+    ) -> dict[str, Any]:
+        """The optimizer state keyed by parameter FQNs, full or sharded per the model's type."""
+        return _ckpt_optim("optim_state_dict")(model, optim, optim_state_dict, group)
 
     @staticmethod
-    def optim_state_dict_to_load(*args: Any, **kwargs: Any) -> NoReturn:
-        """Optimizer state dict to load: the ``ckpt`` package (issue 4)."""
-        _ckpt_feature("optim_state_dict_to_load")
+    def optim_state_dict_to_load(  # noqa: PLR0917 (torch's FSDP signature)
+        model: nn.Module,
+        optim: torch.optim.Optimizer,
+        optim_state_dict: dict[str, Any],
+        is_named_optimizer: bool = False,
+        load_directly: bool = False,
+        group: Any = None,
+    ) -> dict[str, Any]:
+        """Turn an :meth:`optim_state_dict` result into what ``optim.load_state_dict`` takes."""
+        return _ckpt_optim("optim_state_dict_to_load")(
+            model, optim, optim_state_dict, is_named_optimizer, load_directly, group
+        )
 
     @staticmethod
-    def full_optim_state_dict(*args: Any, **kwargs: Any) -> NoReturn:
-        """Full optimizer state dict: the ``ckpt`` package (issue 4)."""
-        _ckpt_feature("full_optim_state_dict")
+    def full_optim_state_dict(
+        model: nn.Module,
+        optim: torch.optim.Optimizer,
+        optim_input: Any = None,
+        rank0_only: bool = True,
+        group: Any = None,
+    ) -> dict[str, Any]:
+        """The full optimizer state keyed by FQNs (on rank 0 only by default)."""
+        return _ckpt_optim("full_optim_state_dict")(model, optim, optim_input, rank0_only, group)
 
     @staticmethod
-    def sharded_optim_state_dict(*args: Any, **kwargs: Any) -> NoReturn:
-        """Sharded optimizer state dict: the ``ckpt`` package (issue 4)."""
-        _ckpt_feature("sharded_optim_state_dict")
+    def sharded_optim_state_dict(
+        model: nn.Module, optim: torch.optim.Optimizer, group: Any = None
+    ) -> dict[str, Any]:
+        """The optimizer state keyed by FQNs with ``DTensor`` values sharded on dim 0."""
+        return _ckpt_optim("sharded_optim_state_dict")(model, optim, group)
 
     @staticmethod
-    def shard_full_optim_state_dict(*args: Any, **kwargs: Any) -> NoReturn:
-        """Shard a full optimizer state dict: the ``ckpt`` package (issue 4)."""
-        _ckpt_feature("shard_full_optim_state_dict")
+    def shard_full_optim_state_dict(
+        full_optim_state_dict: dict[str, Any],
+        model: nn.Module,
+        optim_input: Any = None,
+        optim: torch.optim.Optimizer | None = None,
+    ) -> dict[str, Any]:
+        """This rank's flat optimizer state dict from a full one (no communication)."""
+        return _ckpt_optim("shard_full_optim_state_dict")(
+            full_optim_state_dict, model, optim_input, optim
+        )
 
     @staticmethod
-    def scatter_full_optim_state_dict(*args: Any, **kwargs: Any) -> NoReturn:
-        """Scatter a full optimizer state dict: the ``ckpt`` package (issue 4)."""
-        _ckpt_feature("scatter_full_optim_state_dict")
+    def scatter_full_optim_state_dict(
+        full_optim_state_dict: dict[str, Any] | None,
+        model: nn.Module,
+        optim_input: Any = None,
+        optim: torch.optim.Optimizer | None = None,
+        group: Any = None,
+    ) -> dict[str, Any]:
+        """Like :meth:`shard_full_optim_state_dict` with the full dict only on rank 0."""
+        return _ckpt_optim("scatter_full_optim_state_dict")(
+            full_optim_state_dict, model, optim_input, optim, group
+        )
 
     @staticmethod
-    def flatten_sharded_optim_state_dict(*args: Any, **kwargs: Any) -> NoReturn:
-        """Flatten a sharded optimizer state dict: the ``ckpt`` package (issue 4)."""
-        _ckpt_feature("flatten_sharded_optim_state_dict")
+    def flatten_sharded_optim_state_dict(
+        sharded_optim_state_dict: dict[str, Any],
+        model: nn.Module,
+        optim: torch.optim.Optimizer,
+    ) -> dict[str, Any]:
+        """This rank's flat optimizer state dict from a :meth:`sharded_optim_state_dict`."""
+        return _ckpt_optim("flatten_sharded_optim_state_dict")(
+            sharded_optim_state_dict, model, optim
+        )
 
     @staticmethod
-    def rekey_optim_state_dict(*args: Any, **kwargs: Any) -> NoReturn:
-        """Re-key an optimizer state dict: the ``ckpt`` package (issue 4)."""
-        _ckpt_feature("rekey_optim_state_dict")
+    def rekey_optim_state_dict(
+        optim_state_dict: dict[str, Any],
+        optim_state_key_type: OptimStateKeyType,
+        model: nn.Module,
+        optim_input: Any = None,
+        optim: torch.optim.Optimizer | None = None,
+    ) -> dict[str, Any]:
+        """Re-key a full optimizer state dict between parameter FQNs and integer ids."""
+        return _ckpt_optim("rekey_optim_state_dict")(
+            optim_state_dict, optim_state_key_type, model, optim_input, optim
+        )
 
 
 def _is_fsdp(module: nn.Module) -> bool:
     return get_fsdp_state(module) is not None
 
 
-def _ckpt_feature(name: str) -> NoReturn:
-    raise NotImplementedError(
-        f"FullyShardedDataParallel.{name} belongs to the state-dict types and optimizer state "
-        "dicts, which the ckpt package provides (fsdp issue 4; not implemented yet). "
-        "model.state_dict()/load_state_dict() already work with the unwrapped model's keys."
+def _ckpt_optim(name: str) -> Callable[..., dict[str, Any]]:
+    fn: Callable[..., dict[str, Any]] = getattr(
+        ckpt_module("_fsdp_optim_state", f"FullyShardedDataParallel.{name}"), name
     )
+    return fn
