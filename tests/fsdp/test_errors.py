@@ -34,11 +34,6 @@ def test_needs_a_process_group() -> None:
     ("kwargs", "error", "pattern"),
     [
         (
-            {"use_orig_params": True},
-            NotImplementedError,
-            r"use_orig_params=True is not implemented yet \(fsdp issue 3",
-        ),
-        (
             {"sharding_strategy": ShardingStrategy.HYBRID_SHARD},
             NotImplementedError,
             "hybrid sharding",

@@ -29,6 +29,11 @@ For a unit ``u`` with parameters (FULL_SHARD unless noted):
    reduction, free whatever is still gathered (unused or frozen units), and
    reset every instance to IDLE; ``.grad`` of each FlatParameter now holds the
    averaged sharded gradient.
+Under ``use_orig_params=True`` step 2 first takes in what the user changed on
+the original parameters (replaced ``.data``, ``.grad`` set to ``None`` by
+``zero_grad``), step 4 again for the gradients, and step 6 points the original
+parameters' ``.grad`` at the new sharded gradient (see [Note: original
+parameter views] in ``_orig_params.py``).
 """
 
 from __future__ import annotations
@@ -166,6 +171,12 @@ class FSDPState:
                     "was called on its own before the outer one's). Run forwards only through "
                     "the outermost FSDP instance, or wrap the outer model before using it."
                 )
+        kinds = {s.unit.orig is not None for s in states if s.unit is not None}
+        if len(kinds) > 1:
+            raise ValueError(
+                "the FSDP instances of this model mix use_orig_params=True and False; pass the "
+                "same use_orig_params to every instance (auto_wrap_policy does that for you)"
+            )
         self.is_root = True
         ctx = RootContext(states, RateLimiter(self.compute_device, self.limit_all_gathers))
         for s in states:
@@ -215,6 +226,9 @@ class FSDPState:
             ctx.exec_order.record_pre_forward(self)
         unit = self.unit
         if unit is not None:
+            if unit.orig is not None:
+                unit.orig.sync_data()
+                unit.orig.sync_grads()
             if unit.state is ShardState.SHARDED:
                 ctx.limiter.throttle()
                 unit.unshard()
@@ -298,6 +312,8 @@ class FSDPState:
         unit = self.unit
         if unit is None:
             return
+        if unit.orig is not None:
+            unit.orig.sync_grads()  # zero_grad() between forward and backward
         ctx = self._context()
         if unit.state is ShardState.SHARDED:
             ctx.limiter.throttle()
@@ -342,6 +358,9 @@ class FSDPState:
         ctx.finish_reductions()
         self._reshard_all(keep_no_sync=True)
         for s in ctx.states:
+            if s.unit is not None and s.unit.orig is not None and s.sync_gradients:
+                s.unit.orig.sync_grads()  # units the backward did not reach
+                s.unit.orig.use_local_grads()
             s.training_state = TrainingState.IDLE
             s._ran_pre_backward = False
             s._expects_backward = False

@@ -51,8 +51,6 @@ def check_unimplemented(
     todo = (
         "is not implemented yet (fsdp issue 3: original parameters, hybrid sharding, deferred init)"
     )
-    if use_orig_params:
-        raise NotImplementedError(f"use_orig_params=True {todo}; use use_orig_params=False")
     if sharding_strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2):
         raise NotImplementedError(
             f"sharding_strategy={sharding_strategy} (hybrid sharding) {todo}; use FULL_SHARD "
@@ -169,7 +167,7 @@ def collect_unit_params(
             if p is None:
                 continue
             fqn = prefix + name
-            if getattr(p, "_fsdp_replaced", False):
+            if getattr(p, "_fsdp_replaced", False) or getattr(p, "_fsdp_orig_param", False):
                 raise ValueError(
                     f"parameter {fqn!r} is already flattened into another FSDP unit: it is shared "
                     "between modules that ended up in different units. Wrap all modules that "
@@ -202,7 +200,9 @@ def owned_buffers(module: nn.Module, is_fsdp: Callable[[nn.Module], bool]) -> li
     return out
 
 
-def _check_uniform(infos: list[ParamInfo], params: list[nn.Parameter]) -> None:
+def _check_uniform(
+    infos: list[ParamInfo], params: list[nn.Parameter], use_orig_params: bool = False
+) -> None:
     names = [f"{i.module_name}.{i.param_name}" if i.module_name else i.param_name for i in infos]
     dtypes: dict[torch.dtype, list[str]] = {}
     for n, p in zip(names, params, strict=True):
@@ -215,6 +215,8 @@ def _check_uniform(infos: list[ParamInfo], params: list[nn.Parameter]) -> None:
             "wrap the differing submodule in its own FSDP unit; for low-precision compute use "
             "mixed_precision=MixedPrecision(param_dtype=...)"
         )
+    if use_orig_params:
+        return  # frozen and trainable parameters may share a unit (see FlatParamUnit)
     grads: dict[bool, list[str]] = {}
     for n, p in zip(names, params, strict=True):
         grads.setdefault(p.requires_grad, []).append(n)
@@ -236,6 +238,7 @@ def build_unit(
     compute_device: torch.device,
     mixed_precision: MixedPrecision,
     cpu_offload: CPUOffload,
+    use_orig_params: bool = False,
 ) -> FlatParamUnit | None:
     """Flatten and shard the parameters :func:`collect_unit_params` found; ``None`` if none.
 
@@ -251,7 +254,7 @@ def build_unit(
         m.__dict__[_MANAGED] = True
     if not params:
         return None
-    _check_uniform(infos, params)
+    _check_uniform(infos, params, use_orig_params)
     target = torch.device("cpu") if cpu_offload.offload_params else compute_device
     with torch.no_grad():
         for p in params:
@@ -269,6 +272,7 @@ def build_unit(
         reduce_dtype=mixed_precision.reduce_dtype,
         keep_low_precision_grads=mixed_precision.keep_low_precision_grads,
         offload_params=cpu_offload.offload_params,
+        use_orig_params=use_orig_params,
     )
     return FlatParamUnit(infos, params, shared, config)
 

@@ -173,6 +173,7 @@ class FullyShardedDataParallel(nn.Module):
                 "device_id": device_id,
                 "forward_prefetch": forward_prefetch,
                 "limit_all_gathers": limit_all_gathers,
+                "use_orig_params": use_orig_params,
             }
             _auto_wrap(
                 module,
@@ -196,9 +197,10 @@ class FullyShardedDataParallel(nn.Module):
             compute_device=compute_device,
             mixed_precision=mixed_precision,
             cpu_offload=cpu_offload,
+            use_orig_params=use_orig_params,
         )
         self._fsdp_wrapped_module = module
-        if unit is not None:
+        if unit is not None and not use_orig_params:
             self.register_parameter(FLAT_PARAM, unit.flat_param)
         self._fsdp_state = FSDPState(
             self,
@@ -223,7 +225,7 @@ class FullyShardedDataParallel(nn.Module):
         self.forward_prefetch = forward_prefetch
         self.limit_all_gathers = limit_all_gathers
         self.compute_device = compute_device
-        self._use_orig_params = False
+        self._use_orig_params = bool(use_orig_params)
         register_state_dict_hooks(self)
 
     # --- the wrapped module ----------------------------------------------------------------------
@@ -348,14 +350,26 @@ class FullyShardedDataParallel(nn.Module):
             yield
 
     def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
-        """``nn.Module.named_parameters``; unwrapped names inside :meth:`summon_full_params`."""
-        clean = self._fsdp_state.training_state is TrainingState.SUMMON_FULL_PARAMS
+        """``nn.Module.named_parameters``; unwrapped names inside :meth:`summon_full_params`.
+
+        With ``use_orig_params=True`` always the unwrapped names (torch's FSDP1
+        keeps its ``_fsdp_wrapped_module.`` prefixes outside the summon), so
+        that parameter groups can be chosen by the names of the original model.
+        """
+        clean = (
+            self._use_orig_params
+            or self._fsdp_state.training_state is TrainingState.SUMMON_FULL_PARAMS
+        )
         for name, p in super().named_parameters(*args, **kwargs):
             yield (name.replace(FSDP_PREFIX, "") if clean else name), p
 
     def named_buffers(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.Tensor]]:
-        """``nn.Module.named_buffers``; unwrapped names inside :meth:`summon_full_params`."""
-        clean = self._fsdp_state.training_state is TrainingState.SUMMON_FULL_PARAMS
+        """``nn.Module.named_buffers``; unwrapped names inside :meth:`summon_full_params`
+        (always with ``use_orig_params=True``, as :meth:`named_parameters`)."""
+        clean = (
+            self._use_orig_params
+            or self._fsdp_state.training_state is TrainingState.SUMMON_FULL_PARAMS
+        )
         for name, b in super().named_buffers(*args, **kwargs):
             yield (name.replace(FSDP_PREFIX, "") if clean else name), b
 
@@ -416,9 +430,16 @@ class FullyShardedDataParallel(nn.Module):
                 continue
             flat_ids.add(id(unit.flat_param))
             all_no_shard = all_no_shard and not unit.config.shard
+            target = sharded if unit.config.shard else replicated
+            if unit.orig is not None:
+                # The gradients the optimizer will step: the original parameters'
+                # (views of the flat gradient unless the user replaced them).
+                flat_ids.update(id(p) for p in unit.orig.params)
+                target.extend(p.grad for p in unit.orig.params if p.grad is not None)
+                continue
             grad = unit.flat_param.grad
             if grad is not None:
-                (sharded if unit.config.shard else replicated).append(grad)
+                target.append(grad)
         if all_no_shard:
             return torch.nn.utils.clip_grad_norm_(list(self.parameters()), max_norm, norm_type)
         for p in self.parameters():
