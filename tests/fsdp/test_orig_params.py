@@ -250,3 +250,341 @@ def test_orig_params_parity_with_ddp_and_torch_fsdp(world_size: int) -> None:
                 assert r["loss_vs_torch"] <= torch_tol, where
                 assert r["param_vs_torch"] <= torch_tol, where
                 assert r["norm_vs_torch"] <= torch_tol, where
+
+
+# ------------------------------------------------------------------ the surface, one spawn
+
+
+def _wrap_ours(net: nn.Module, strategy: str = "FULL_SHARD", **kw: Any) -> Any:
+    import fsdp
+    import fsdp.wrap
+
+    return fsdp.FullyShardedDataParallel(
+        net,
+        sharding_strategy=fsdp.ShardingStrategy[strategy],
+        auto_wrap_policy=fsdp.wrap.ModuleWrapPolicy({Block}),
+        use_orig_params=True,
+        **kw,
+    )
+
+
+def _surface_names_and_views() -> dict[str, Any]:
+    net = freeze(make_net())
+    before = [(n, p) for n, p in net.named_parameters()]
+    model = _wrap_ours(net)
+    after = list(model.named_parameters())
+    model.check_is_root()  # lazy init: the shared context exists from here
+    flat_storages = {
+        s.unit.flat_param.untyped_storage().data_ptr()
+        for s in model._fsdp_state.ctx.states
+        if s.unit is not None
+    }
+    numels = torch.tensor([p.numel() for _, p in after])
+    dist.all_reduce(numels)
+    seen: dict[str, Any] = {}
+
+    def hook(m: nn.Module, args: Any, output: Any) -> None:
+        seen["fc1_weight_in_forward"] = tuple(m.weight.shape)
+        seen["fc1_weight_is_param"] = isinstance(m.weight, nn.Parameter)
+
+    model.module.blocks[0].module.fc1.register_forward_hook(hook)
+    x, y = batches(1)[0]
+    loss_fn(model(x), y).backward()
+    return {
+        "names_equal": [n for n, _ in before] == [n for n, _ in after],
+        "same_objects": all(a is b for (_, a), (_, b) in zip(before, after, strict=True)),
+        "all_1d": all(p.dim() == 1 for _, p in after),
+        "numels_sum_to_original": numels.tolist()
+        == [p.numel() for _, p in make_net().named_parameters()],
+        "some_empty": any(p.numel() == 0 for _, p in after),
+        "views_of_flat": all(
+            p.untyped_storage().data_ptr() in flat_storages for _, p in after if p.numel() > 0
+        ),
+        "no_flat_param_listed": not any("_flat_param" in n for n in dict(model.named_parameters())),
+        "getattr_is_orig": model.module.head.weight is dict(after)["head.weight"],
+        "grad_shapes_match": all(p.grad is None or p.grad.shape == p.shape for _, p in after),
+        "frozen_grad_none": all(p.grad is None for _, p in after if not p.requires_grad),
+        "trainable_local_have_grads": all(
+            p.grad is not None for _, p in after if p.requires_grad and p.numel() > 0
+        ),
+        **seen,
+    }
+
+
+def _surface_grads_vs_ddp() -> dict[str, Any]:
+    import fsdp
+
+    data = batches(2)
+    ddp = DDP(make_net())
+    model = _wrap_ours(make_net())
+    out: dict[str, Any] = {}
+    for x, y in data[:1]:
+        loss_fn(ddp(x), y).backward()
+        loss_fn(model(x), y).backward()
+    ref = {n.removeprefix("module."): p.grad for n, p in ddp.named_parameters()}
+    with fsdp.FullyShardedDataParallel.summon_full_params(model, with_grads=True):
+        full = {n: (p.shape, p.grad.clone()) for n, p in model.named_parameters()}
+    out["with_grads_shapes"] = all(full[n][0] == ref[n].shape for n in ref)
+    out["with_grads_vs_ddp"] = max((full[n][1] - ref[n]).abs().max().item() for n in ref)
+    out["sharded_after_summon"] = all(p.dim() == 1 for p in model.parameters())
+    # zero_grad between forward and backward: no stale gradient survives.
+    x, y = data[1]
+    loss = loss_fn(model(x), y)
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    ddp.zero_grad(set_to_none=True)
+    loss_fn(ddp(x), y).backward()
+    ref = {n.removeprefix("module."): p.grad for n, p in ddp.named_parameters()}
+    with fsdp.FullyShardedDataParallel.summon_full_params(model, with_grads=True):
+        out["zero_between_vs_ddp"] = max(
+            (p.grad - ref[n]).abs().max().item() for n, p in model.named_parameters()
+        )
+    # Setting one gradient to None leaves its piece out of the next accumulation.
+    model.module.head.weight.grad = None
+    loss_fn(model(x), y).backward()
+    with fsdp.FullyShardedDataParallel.summon_full_params(model, with_grads=True):
+        got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    out["one_none_head"] = (got["head.weight"] - ref["head.weight"]).abs().max().item()
+    out["one_none_other"] = (got["head.bias"] - 2 * ref["head.bias"]).abs().max().item()
+    # with_grads + writeback: gradients written in the summon persist (sharded).
+    with fsdp.FullyShardedDataParallel.summon_full_params(model, with_grads=True):
+        model.module.head.bias.grad.fill_(7.0)
+    with fsdp.FullyShardedDataParallel.summon_full_params(model, with_grads=True):
+        out["grad_writeback"] = model.module.head.bias.grad.tolist()
+    return out
+
+
+def _surface_writes() -> dict[str, Any]:
+    import fsdp
+
+    model = _wrap_ours(make_net())
+    out: dict[str, Any] = {}
+    ref = full_params(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)  # in place, as an optimizer does
+    got = full_params(model)
+    out["inplace_lands"] = max((got[k] - (ref[k] + 1.0)).abs().max().item() for k in ref)
+    w = model.module.blocks[1].module.fc2.weight
+    w.data = torch.full_like(w.data, 5.0)  # a new tensor: copied back at the next use
+    x, _ = batches(1)[0]
+    model(x)
+    with fsdp.FullyShardedDataParallel.summon_full_params(model):
+        out["replaced_data_lands"] = model.module.blocks[1].module.fc2.weight.unique().tolist()
+        with torch.no_grad():
+            model.module.emb.weight.zero_()  # full parameters written in the summon persist
+    out["summon_writeback"] = model.module.emb.weight.abs().sum().item()
+    sd = model.state_dict()
+    out["state_dict_keys"] = list(sd) == list(make_net().state_dict())
+    target = make_net(seed=3).state_dict()
+    model.load_state_dict(target)
+    got = full_params(model)
+    out["load_state_dict"] = max((got[k] - target[k]).abs().max().item() for k in got)
+    return out
+
+
+def _surface_optimizer_before_wrapping() -> dict[str, Any]:
+    # The original Parameter objects survive wrapping, so an optimizer built
+    # before (without state yet) steps the shards as well as one built after.
+    data = batches(4)
+    net = make_net()
+    opt = torch.optim.AdamW(param_groups(net), lr=1e-2)
+    model = _wrap_ours(net)
+    losses = []
+    for x, y in data:
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    ref, _ = train_groups(_wrap_ours(make_net()), data)
+    return {"before_vs_after": max(abs(a - b) for a, b in zip(losses, ref, strict=True))}
+
+
+def _surface_mixed_precision() -> dict[str, Any]:
+    import torch.distributed.fsdp as torch_fsdp
+    import torch.distributed.fsdp.wrap as torch_wrap
+
+    import fsdp
+    import fsdp.wrap
+
+    out: dict[str, Any] = {}
+    data = batches(5)
+    bf16 = torch.bfloat16
+    for name, mp in {
+        "bf16": {"param_dtype": bf16, "reduce_dtype": bf16, "buffer_dtype": bf16},
+        "bf16_reduce_fp32": {"param_dtype": bf16, "reduce_dtype": torch.float32},
+        "bf16_keep_low": {"param_dtype": bf16, "keep_low_precision_grads": True},
+    }.items():
+        models = []
+        for api, wrap_mod in ((fsdp, fsdp.wrap), (torch_fsdp, torch_wrap)):
+            models.append(
+                api.FullyShardedDataParallel(
+                    make_net(),
+                    auto_wrap_policy=wrap_mod.ModuleWrapPolicy({Block}),
+                    mixed_precision=api.MixedPrecision(**mp),
+                    device_id=torch.device("cpu"),
+                    use_orig_params=True,
+                )
+            )
+        ours, theirs = models
+        low = mp.get("keep_low_precision_grads", False)  # AdamW cannot step bf16 grads
+        losses, _ = train_groups(ours, data) if not low else ([0.0], [])
+        t_losses, _ = train_groups(theirs, data) if not low else ([0.0], [])
+        loss_fn(ours(data[0][0]), data[0][1]).backward()
+        out[name] = {
+            "loss": max(abs(a - b) for a, b in zip(losses, t_losses, strict=True)),
+            "param": max_diff(full_params(ours), full_params(theirs)),
+            "param_dtypes": sorted({str(p.dtype) for p in ours.parameters()}),
+            "grad_dtypes": sorted(
+                {str(p.grad.dtype) for p in ours.parameters() if p.grad is not None}
+            ),
+        }
+    return out
+
+
+def _rank_surface() -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for fn in (
+        _surface_names_and_views,
+        _surface_grads_vs_ddp,
+        _surface_writes,
+        _surface_optimizer_before_wrapping,
+        _surface_mixed_precision,
+    ):
+        out[fn.__name__.removeprefix("_surface_")] = fn()
+        dist.barrier()
+    return out
+
+
+def test_orig_params_surface() -> None:
+    results = run_ranks(_rank_surface, 2, timeout=180)
+    for rank, r in enumerate(results):
+        where = f"rank {rank}: {r}"
+        nv = r["names_and_views"]
+        for key in (
+            "names_equal",
+            "same_objects",
+            "all_1d",
+            "numels_sum_to_original",
+            "views_of_flat",
+            "no_flat_param_listed",
+            "getattr_is_orig",
+            "grad_shapes_match",
+            "frozen_grad_none",
+            "trainable_local_have_grads",
+        ):
+            assert nv[key] is True, (key, where)
+        assert nv["fc1_weight_in_forward"] == (13, 6), where
+        assert nv["fc1_weight_is_param"] is False, where  # a view of the gathered data
+        g = r["grads_vs_ddp"]
+        assert g["with_grads_shapes"] and g["sharded_after_summon"], where
+        assert g["with_grads_vs_ddp"] == 0.0, where
+        assert g["zero_between_vs_ddp"] == 0.0, where
+        assert g["one_none_head"] == 0.0, where  # only the new gradient
+        assert g["one_none_other"] == 0.0, where  # the others accumulated
+        assert g["grad_writeback"] == [7.0] * 13, where
+        w = r["writes"]
+        assert w["inplace_lands"] == 0.0, where
+        assert w["replaced_data_lands"] == [5.0], where
+        assert w["summon_writeback"] == 0.0, where
+        assert w["state_dict_keys"] is True, where
+        assert w["load_state_dict"] == 0.0, where
+        assert r["optimizer_before_wrapping"]["before_vs_after"] == 0.0, where
+        for name, m in r["mixed_precision"].items():
+            assert m["loss"] == 0.0 and m["param"] == 0.0, (name, where)
+            assert m["param_dtypes"] == ["torch.float32"], (name, where)
+            low = name == "bf16_keep_low"
+            assert m["grad_dtypes"] == ["torch.bfloat16" if low else "torch.float32"], where
+    some_empty = [r["names_and_views"]["some_empty"] for r in results]
+    assert any(some_empty), "the model should leave some parameter empty on some rank"
+
+
+# ------------------------------------------------------------------ errors, one spawn
+
+
+def _error_mixed_instances() -> None:
+    import fsdp
+
+    net = make_net()
+    net.blocks[0] = fsdp.FullyShardedDataParallel(net.blocks[0], use_orig_params=False)
+    model = fsdp.FullyShardedDataParallel(net, use_orig_params=True)
+    model(batches(1)[0][0])
+
+
+def _error_param_replaced() -> None:
+    model = _wrap_ours(make_net())
+    model.module.head.weight = nn.Parameter(torch.zeros(VOCAB_DIM))
+    model(batches(1)[0][0])
+
+
+def _error_data_wrong_shape() -> None:
+    model = _wrap_ours(make_net())
+    model.module.head.weight.data = torch.zeros(VOCAB_DIM)  # the full shape, not the piece
+    model(batches(1)[0][0])
+
+
+def _error_with_grads_offload() -> None:
+    import fsdp
+
+    with fsdp.FullyShardedDataParallel.summon_full_params(
+        _wrap_ours(make_net()), with_grads=True, offload_to_cpu=True
+    ):
+        pass
+
+
+def _error_frozen_mix_without_orig() -> None:
+    import fsdp
+
+    net = make_net()
+    net.head.weight.requires_grad_(False)
+    fsdp.FullyShardedDataParallel(net, use_orig_params=False)
+
+
+VOCAB_DIM = (13, 6)  # head.weight's full shape
+
+ERRORS: dict[str, tuple[Callable[[], None], type[Exception], str]] = {
+    "mixed_instances": (_error_mixed_instances, ValueError, "mix use_orig_params=True and False"),
+    "param_replaced": (
+        _error_param_replaced,
+        RuntimeError,
+        "'head.weight' was replaced on its module.*in place",
+    ),
+    "data_wrong_shape": (
+        _error_data_wrong_shape,
+        RuntimeError,
+        r"'head.weight' was given data of shape \(13, 6\).*summon_full_params",
+    ),
+    "with_grads_offload": (
+        _error_with_grads_offload,
+        NotImplementedError,
+        "with_grads=True, offload_to_cpu=True",
+    ),
+    "frozen_mix_without_orig": (
+        _error_frozen_mix_without_orig,
+        ValueError,
+        "all trainable or all frozen.*pass use_orig_params=True",
+    ),
+}
+
+
+def _rank_errors() -> dict[str, tuple[str, str]]:
+    out: dict[str, tuple[str, str]] = {}
+    for name, (fn, _, _) in ERRORS.items():
+        try:
+            fn()
+            out[name] = ("no error", "")
+        except Exception as e:  # the case under test
+            out[name] = (type(e).__name__, str(e))
+        dist.barrier()
+    return out
+
+
+def test_orig_params_errors() -> None:
+    import re
+
+    for out in run_ranks(_rank_errors, 2, timeout=60):
+        for name, (_, etype, pattern) in ERRORS.items():
+            got_type, message = out[name]
+            assert got_type == etype.__name__, (name, got_type, message)
+            assert re.search(pattern, message, re.DOTALL), (name, pattern, message)

@@ -224,7 +224,8 @@ def _check_uniform(
         raise ValueError(
             "with use_orig_params=False an FSDP unit's parameters must be all trainable or all "
             f"frozen, but requires_grad=True for {', '.join(grads[True][:6])} and False for "
-            f"{', '.join(grads[False][:6])}. Wrap the frozen submodules in their own units."
+            f"{', '.join(grads[False][:6])}. Wrap the frozen submodules in their own units, or "
+            "pass use_orig_params=True (which allows the mix)."
         )
 
 
