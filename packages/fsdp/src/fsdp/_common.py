@@ -47,9 +47,13 @@ class TrainingState(Enum):
     parameters are registered on their modules as full tensors."""
 
 
+CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."
+"""What torch's activation-checkpoint wrapper inserts into the names below it."""
+
+
 def clean_fqn(name: str) -> str:
-    """A name with every FSDP wrapper level removed: the unwrapped model's name."""
-    return name.replace(FSDP_PREFIX, "")
+    """A name with every FSDP (and checkpoint-wrapper) level removed: the unwrapped model's name."""
+    return name.replace(FSDP_PREFIX, "").replace(CHECKPOINT_PREFIX, "")
 
 
 def apply_to_tensors(fn: Callable[[Tensor], Tensor], obj: Any) -> Any:

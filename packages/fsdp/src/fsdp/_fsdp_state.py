@@ -217,9 +217,24 @@ class FSDPState:
             args, kwargs = cast_floating_tensors(mp.param_dtype, args, kwargs)
         return args, kwargs
 
+    def is_recomputing(self) -> bool:
+        """Whether a forward now is activation checkpointing re-running this unit.
+
+        [Note: recomputation] A forward of a unit whose backward has started
+        (its pre-backward ran) can only be a checkpoint wrapper around the unit
+        recomputing it for that backward. The parameters are gathered already
+        and must stay gathered until the unit's post-backward, so the forward
+        hooks neither record, prefetch, hook outputs nor free. (With the
+        checkpoint's default early stop the recomputation usually ends before
+        the post-forward hook; without it, the hook runs.)
+        """
+        return self._ran_pre_backward and self.training_state is TrainingState.FORWARD_BACKWARD
+
     def pre_forward(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
         """Gather this unit's parameters for its forward (step 2)."""
         self.assert_state((TrainingState.IDLE, TrainingState.FORWARD_BACKWARD), "forward")
+        if self.is_recomputing():
+            return self._recompute_pre_forward(args, kwargs)
         ctx = self._context()
         self.training_state = TrainingState.FORWARD_BACKWARD
         if torch.is_grad_enabled():
@@ -241,8 +256,23 @@ class FSDPState:
                 args, kwargs = cast_floating_tensors(mp.param_dtype, args, kwargs)
         return args, kwargs
 
+    def _recompute_pre_forward(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        """See [Note: recomputation]: fresh views of the still-gathered parameters."""
+        unit = self.unit
+        if unit is not None:
+            if unit.state is ShardState.SHARDED:  # never expected: gather again to be safe
+                unit.unshard()
+            unit.wait_for_unshard()
+            unit.use_unsharded_views()
+            mp = self.mixed_precision
+            if mp.cast_forward_inputs and mp.param_dtype is not None:
+                args, kwargs = cast_floating_tensors(mp.param_dtype, args, kwargs)
+        return args, kwargs
+
     def post_forward(self, output: Any) -> Any:
         """Free or keep the parameters, hook the outputs for backward (step 3)."""
+        if self.is_recomputing():
+            return output  # see [Note: recomputation]
         ctx = self._context()
         registered = False
         if torch.is_grad_enabled():
@@ -319,7 +349,10 @@ class FSDPState:
             ctx.limiter.throttle()
             unit.unshard()
         unit.wait_for_unshard()
-        unit.use_unsharded_views()  # for modules re-run by activation checkpointing
+        # Views with autograd history, for modules re-run by activation checkpointing
+        # inside the unit (the engine runs this hook with gradients disabled).
+        with torch.enable_grad():
+            unit.use_unsharded_views()
         if self.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
             self._prefetch(ctx.exec_order.next_backward(self), backward=True)
 

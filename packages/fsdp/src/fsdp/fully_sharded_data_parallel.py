@@ -20,7 +20,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 )
 
 from fsdp import _grad_norm, _init
-from fsdp._common import FLAT_PARAM, FSDP_PREFIX, FSDP_WRAPPED_MODULE, TrainingState
+from fsdp._common import FLAT_PARAM, FSDP_WRAPPED_MODULE, TrainingState, clean_fqn
 from fsdp._fsdp_state import FSDPState, get_fsdp_state
 from fsdp._state_dict import register_state_dict_hooks
 from fsdp._summon import summon_full_params as _summon_full_params
@@ -361,7 +361,7 @@ class FullyShardedDataParallel(nn.Module):
             or self._fsdp_state.training_state is TrainingState.SUMMON_FULL_PARAMS
         )
         for name, p in super().named_parameters(*args, **kwargs):
-            yield (name.replace(FSDP_PREFIX, "") if clean else name), p
+            yield (clean_fqn(name) if clean else name), p
 
     def named_buffers(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.Tensor]]:
         """``nn.Module.named_buffers``; unwrapped names inside :meth:`summon_full_params`
@@ -371,7 +371,7 @@ class FullyShardedDataParallel(nn.Module):
             or self._fsdp_state.training_state is TrainingState.SUMMON_FULL_PARAMS
         )
         for name, b in super().named_buffers(*args, **kwargs):
-            yield (name.replace(FSDP_PREFIX, "") if clean else name), b
+            yield (clean_fqn(name) if clean else name), b
 
     # --- gradients ------------------------------------------------------------------------------
 
