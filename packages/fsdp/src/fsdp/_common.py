@@ -9,7 +9,7 @@ import dataclasses
 from collections import OrderedDict
 from collections.abc import Callable
 from enum import Enum, auto
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import Tensor
@@ -23,6 +23,7 @@ __all__ = [
     "apply_to_tensors",
     "cast_floating_tensors",
     "clean_fqn",
+    "eager_only",
     "move_tensors_to_device",
 ]
 
@@ -49,6 +50,20 @@ class TrainingState(Enum):
 
 CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."
 """What torch's activation-checkpoint wrapper inserts into the names below it."""
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def eager_only(fn: _F) -> _F:
+    """Keep ``torch.compile`` out of ``fn``: it runs eagerly, between compiled regions.
+
+    For the FSDP hooks around each unit's forward: collectives in flight,
+    storage freed and reallocated, and Python state changes are what a graph
+    cannot hold, while the modules' own computation between the hooks
+    compiles well. Dynamo breaks the graph at each call instead of tracing in.
+    """
+    return cast(_F, torch.compiler.disable(fn, reason="FSDP runtime hook"))
 
 
 def clean_fqn(name: str) -> str:

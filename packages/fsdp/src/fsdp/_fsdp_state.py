@@ -49,6 +49,7 @@ from fsdp._common import (
     TrainingState,
     apply_to_tensors,
     cast_floating_tensors,
+    eager_only,
     move_tensors_to_device,
 )
 from fsdp._flat_param_unit import FlatParamUnit, ShardState
@@ -203,6 +204,7 @@ class FSDPState:
 
     # --- forward -----------------------------------------------------------------------------
 
+    @eager_only
     def root_pre_forward(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
         """Root-only work before any unit's forward (step 1 of [Note: one training step])."""
         self.lazy_init()
@@ -230,6 +232,7 @@ class FSDPState:
         """
         return self._ran_pre_backward and self.training_state is TrainingState.FORWARD_BACKWARD
 
+    @eager_only
     def pre_forward(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
         """Gather this unit's parameters for its forward (step 2)."""
         self.assert_state((TrainingState.IDLE, TrainingState.FORWARD_BACKWARD), "forward")
@@ -269,6 +272,7 @@ class FSDPState:
                 args, kwargs = cast_floating_tensors(mp.param_dtype, args, kwargs)
         return args, kwargs
 
+    @eager_only
     def post_forward(self, output: Any) -> Any:
         """Free or keep the parameters, hook the outputs for backward (step 3)."""
         if self.is_recomputing():
