@@ -354,6 +354,25 @@ def _surface_grads_vs_ddp() -> dict[str, Any]:
     return out
 
 
+def _surface_size_based_policy() -> dict[str, Any]:
+    # The original parameters of units already made are not counted again.
+    import functools
+
+    import fsdp
+    import fsdp.wrap
+
+    policy = functools.partial(fsdp.wrap.size_based_auto_wrap_policy, min_num_params=150)
+    units = {}
+    for orig in (False, True):
+        model = fsdp.FullyShardedDataParallel(
+            make_net(), auto_wrap_policy=policy, use_orig_params=orig
+        )
+        units[orig] = [
+            type(m.module).__name__ for m in fsdp.FullyShardedDataParallel.fsdp_modules(model)
+        ]
+    return {"same_units": units[False] == units[True], "units": units[True]}
+
+
 def _surface_writes() -> dict[str, Any]:
     import fsdp
 
@@ -449,6 +468,7 @@ def _rank_surface() -> dict[str, Any]:
         _surface_names_and_views,
         _surface_grads_vs_ddp,
         _surface_writes,
+        _surface_size_based_policy,
         _surface_optimizer_before_wrapping,
         _surface_mixed_precision,
     ):
@@ -491,6 +511,8 @@ def test_orig_params_surface() -> None:
         assert w["state_dict_keys"] is True, where
         assert w["load_state_dict"] == 0.0, where
         assert r["optimizer_before_wrapping"]["before_vs_after"] == 0.0, where
+        assert r["size_based_policy"]["same_units"] is True, where
+        assert len(r["size_based_policy"]["units"]) > 2, where
         for name, m in r["mixed_precision"].items():
             assert m["loss"] == 0.0 and m["param"] == 0.0, (name, where)
             assert m["param_dtypes"] == ["torch.float32"], (name, where)

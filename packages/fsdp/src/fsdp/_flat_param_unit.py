@@ -210,6 +210,7 @@ class FlatParamUnit:
             )
             for p in params:
                 p._fsdp_orig_param = True  # type: ignore[attr-defined]  # _init.collect_unit_params
+                p._fsdp_flattened = True  # type: ignore[attr-defined]  # wrap.py: not counted again
         else:
             # The modules no longer own the originals: from now on they see views or placeholders.
             for info in infos:
