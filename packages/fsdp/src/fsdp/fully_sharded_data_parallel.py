@@ -34,8 +34,8 @@ __all__ = ["FullyShardedDataParallel"]
 class FullyShardedDataParallel(nn.Module):
     """Shard a module's parameters, gradients and optimizer state across ranks.
 
-    A drop-in for ``torch.distributed.fsdp.FullyShardedDataParallel`` (FSDP1)
-    with ``use_orig_params=False``: the wrapped module's parameters (those not
+    A drop-in for ``torch.distributed.fsdp.FullyShardedDataParallel`` (FSDP1).
+    With ``use_orig_params=False`` (the default) the wrapped module's parameters (those not
     inside nested FSDP instances) are flattened into one ``FlatParameter`` per
     instance ("unit") and each rank keeps ``1/world_size`` of it. A unit's full
     parameters are all-gathered just before its forward and its backward and
@@ -87,7 +87,18 @@ class FullyShardedDataParallel(nn.Module):
             For static graphs; helps CPU-bound runs.
         limit_all_gathers: bound the gathered units in flight to two on
             devices where the CPU runs ahead (CUDA); see [Note: rate limiter].
-        use_orig_params: must be ``False`` for now (fsdp issue 3).
+        use_orig_params: keep the original ``nn.Parameter`` objects, names
+            and ``requires_grad`` flags (see ``_orig_params.py``):
+            ``named_parameters()`` yields them under the unwrapped model's
+            names (unlike FSDP1, without ``_fsdp_wrapped_module.`` prefixes),
+            each a 1-D view of this rank's piece of the shard (possibly
+            empty; full-shaped for ``NO_SHARD``/one rank), and after backward
+            their ``.grad`` are views of the sharded gradient (``None`` for
+            frozen or empty ones). So an optimizer may use per-parameter
+            groups, units may mix frozen and trainable parameters, and an
+            optimizer created before wrapping keeps working. Needed for
+            ``torch.compile`` (the FSDP hooks run eagerly between compiled
+            regions) and for ``summon_full_params(with_grads=True)``.
         ignored_states: not implemented yet (fsdp issue 3).
         device_mesh: not implemented yet (fsdp issue 3).
     """
@@ -341,8 +352,9 @@ class FullyShardedDataParallel(nn.Module):
                 (others keep their shards); requires ``writeback=False``.
             offload_to_cpu: put the full parameters on the CPU (sharded units
                 only); best combined with ``rank0_only``.
-            with_grads: also gather gradients; needs ``use_orig_params=True``
-                (not implemented yet).
+            with_grads: also gather the gradients onto the original
+                parameters' ``.grad`` (full-shaped); needs
+                ``use_orig_params=True`` and ``offload_to_cpu=False``.
         """
         with _summon_full_params(
             module, recurse, writeback, rank0_only, offload_to_cpu, with_grads
