@@ -7,6 +7,7 @@ by one atomic rename after all ranks finish, with a manifest of checksums that
 training loop. See the package README.
 """
 
+from ckpt._adapters import register_builtin_adapters
 from ckpt._checkpoint import (
     AsyncSave,
     CheckpointInfo,
@@ -26,10 +27,26 @@ from ckpt._errors import (
     ShapeMismatch,
     StateDictMismatchError,
 )
+from ckpt._fsdp_model_state import LocalShardMismatchError
 from ckpt._manager import CheckpointManager
 from ckpt._manifest import MANIFEST_NAME, Checksum, FileRecord, Manifest
+from ckpt._optim_state import load_optim_state_dict, optim_state_dict
 from ckpt._state import StateAdapter, StateContext, Stateful, register_adapter
+from ckpt._state_dict_type import get_state_dict_type, set_state_dict_type, state_dict_type
 from ckpt._version import __version__
+from fsdp.api import (
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    LocalOptimStateDictConfig,
+    LocalStateDictConfig,
+    OptimStateDictConfig,
+    OptimStateKeyType,
+    ShardedOptimStateDictConfig,
+    ShardedStateDictConfig,
+    StateDictConfig,
+    StateDictSettings,
+    StateDictType,
+)
 
 __all__ = [
     "MANIFEST_NAME",
@@ -42,19 +59,38 @@ __all__ = [
     "CorruptCheckpointError",
     "FileProblem",
     "FileRecord",
+    "FullOptimStateDictConfig",
+    "FullStateDictConfig",
+    "LocalOptimStateDictConfig",
+    "LocalShardMismatchError",
+    "LocalStateDictConfig",
     "Manifest",
     "NotACheckpointError",
+    "OptimStateDictConfig",
+    "OptimStateKeyType",
     "PartialCheckpointError",
     "ShapeMismatch",
+    "ShardedOptimStateDictConfig",
+    "ShardedStateDictConfig",
     "StateAdapter",
     "StateContext",
+    "StateDictConfig",
     "StateDictMismatchError",
+    "StateDictSettings",
+    "StateDictType",
     "Stateful",
     "__version__",
     "async_save",
+    "get_state_dict_type",
     "load",
+    "load_optim_state_dict",
+    "optim_state_dict",
     "register_adapter",
     "save",
+    "set_state_dict_type",
+    "state_dict_type",
     "verify",
     "wait_pending",
 ]
+
+register_builtin_adapters()

@@ -463,7 +463,7 @@ def load(
     source = _as_path(path)
     comm = Comm.of(process_group)
     manifest = _open_checkpoint(source, comm, verify)
-    state_dict, ctx = to_state_dict(state, process_group, manifest)
+    state_dict, ctx = to_state_dict(state, process_group, manifest, loading=True)
     reader = FileSystemReader(source)
     fit = fit_rank(local_shapes(state_dict), saved_shapes(reader.read_metadata()), list(state))
     error = combine_fits(source, comm.all_gather(fit), strict)

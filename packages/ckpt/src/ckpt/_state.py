@@ -69,6 +69,9 @@ class StateContext:
     # On load, the manifest of the checkpoint being read (its world_size, files); None
     # at save, and for a plain DCP directory loaded with verify=False.
     manifest: Manifest | None = None
+    # True when the state dict is the template a load fills (an optimizer that never
+    # stepped must then create its state tensors first); False at save.
+    loading: bool = False
     _owners: dict[int, nn.Module] = field(default_factory=dict, compare=False, repr=False)
 
     def module_for(self, optimizer: torch.optim.Optimizer) -> nn.Module:
@@ -206,10 +209,11 @@ def to_state_dict(
     state: Mapping[str, Any],
     process_group: dist.ProcessGroup | None,
     manifest: Manifest | None = None,
+    loading: bool = False,
 ) -> tuple[dict[str, Any], StateContext]:
     """The DCP state dict for ``state``: stateful values replaced by their state dicts."""
     _check_keys(state)
-    ctx = StateContext(state=state, process_group=process_group, manifest=manifest)
+    ctx = StateContext(state=state, process_group=process_group, manifest=manifest, loading=loading)
     out: dict[str, Any] = {}
     for key, value in state.items():
         adapter = adapter_for(value, ctx)

@@ -7,15 +7,42 @@
 
 from fsdp._common import TrainingState
 from fsdp._version import __version__
-from fsdp.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from fsdp.api import (
+    BackwardPrefetch,
+    CPUOffload,
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    LocalOptimStateDictConfig,
+    LocalStateDictConfig,
+    MixedPrecision,
+    OptimStateDictConfig,
+    OptimStateKeyType,
+    ShardedOptimStateDictConfig,
+    ShardedStateDictConfig,
+    ShardingStrategy,
+    StateDictConfig,
+    StateDictSettings,
+    StateDictType,
+)
 from fsdp.fully_sharded_data_parallel import FullyShardedDataParallel
 
 __all__ = [
     "BackwardPrefetch",
     "CPUOffload",
+    "FullOptimStateDictConfig",
+    "FullStateDictConfig",
     "FullyShardedDataParallel",
+    "LocalOptimStateDictConfig",
+    "LocalStateDictConfig",
     "MixedPrecision",
+    "OptimStateDictConfig",
+    "OptimStateKeyType",
+    "ShardedOptimStateDictConfig",
+    "ShardedStateDictConfig",
     "ShardingStrategy",
+    "StateDictConfig",
+    "StateDictSettings",
+    "StateDictType",
     "TrainingState",
     "__version__",
 ]

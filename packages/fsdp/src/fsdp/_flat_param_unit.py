@@ -121,18 +121,33 @@ class UnitConfig:
     reduce_dtype: torch.dtype | None  # MixedPrecision.reduce_dtype
     keep_low_precision_grads: bool
     offload_params: bool  # CPUOffload.offload_params
+    # Hybrid sharding: the group of this rank's replicas (same shard in other shard groups);
+    # see [Note: hybrid gradient reduction] in _process_groups.py. None: no replication.
+    replicate_group: Any = None
+    replicate_size: int = 1
     use_orig_params: bool = False  # keep the original parameters as views (OrigParams)
 
 
 @dataclass
 class PendingReduce:
-    """A gradient reduction in flight; :meth:`FlatParamUnit.finish_reduce_grad` completes it."""
+    """A gradient reduction in flight; :meth:`FlatParamUnit.finish_reduce_grad` completes it.
+
+    A hybrid-sharded unit reduces in two collectives: ``collective`` is the
+    reduce-scatter until :meth:`FlatParamUnit.start_replica_reduce` replaces
+    it by the all-reduce across replicas (``replicate_group`` is then None).
+    """
 
     unit: FlatParamUnit
     collective: PendingCollective
     output: Tensor  # 1D: the reduced gradient (sharded, or full for NO_SHARD), reduce dtype
     postdivide: float  # divide ``output`` by this after the collective (1.0: nothing)
     in_place: bool  # ``output`` is ``flat_param.grad`` itself (aliased NO_SHARD)
+    replicate_group: Any = None  # the all-reduce still to issue after ``collective``
+
+    @property
+    def has_next_stage(self) -> bool:
+        """Whether a collective across replicas still has to be issued."""
+        return self.replicate_group is not None
 
 
 class FlatParamUnit:
@@ -224,7 +239,7 @@ class FlatParamUnit:
             not config.shard and self.compute_dtype == self.orig_dtype and not config.offload_params
         )
         self._pending_unshard = None
-        self._divide = gradient_divide_factors(config.world_size)
+        self._divide = gradient_divide_factors(config.world_size * config.replicate_size)
         if self.aliased:
             self._padded_unsharded = None
             self._compute_param = flat
@@ -429,7 +444,22 @@ class FlatParamUnit:
             return PendingReduce(self, PendingCollective(None), output, 1.0, in_place=False)
         _div_(padded, pre)
         pending = reduce_scatter_into(output, padded, cfg.group)
-        return PendingReduce(self, pending, output, post, in_place=False)
+        return PendingReduce(self, pending, output, post, False, cfg.replicate_group)
+
+    def start_replica_reduce(self, reduce: PendingReduce) -> None:
+        """Hybrid sharding: wait for the reduce-scatter, issue the all-reduce across replicas.
+
+        Split from :meth:`reduce_grad` so that the reduce-scatter overlaps
+        computation before anyone waits for it (see [Note: reductions in
+        flight] in ``_root_context.py``); a no-op for other reductions.
+        """
+        if reduce.replicate_group is None:
+            return
+        reduce.collective.wait()
+        reduce.collective = all_reduce_inplace(
+            reduce.output, reduce.replicate_group, self.config.replicate_size
+        )
+        reduce.replicate_group = None
 
     def finish_reduce_grad(self, reduce: PendingReduce) -> None:
         """Wait for a reduction and accumulate its result into ``flat_param.grad``.
@@ -438,6 +468,7 @@ class FlatParamUnit:
         ``keep_low_precision_grads``), copied to the CPU under offload, and
         added to any gradient already there (gradient accumulation).
         """
+        self.start_replica_reduce(reduce)
         reduce.collective.wait()
         out = reduce.output
         _div_(out, reduce.postdivide)

@@ -426,7 +426,7 @@ class FSDPState:
 
 
 def _owned_buffers(fsdp_module: nn.Module) -> list[tuple[nn.Module, str, Tensor]]:
-    """Buffers in ``fsdp_module``'s subtree that no nested FSDP instance owns."""
+    """Buffers in ``fsdp_module``'s subtree that no nested FSDP instance owns nor ignores."""
     out: list[tuple[nn.Module, str, Tensor]] = []
     stack: list[nn.Module] = [fsdp_module]
     while stack:
@@ -435,6 +435,8 @@ def _owned_buffers(fsdp_module: nn.Module) -> list[tuple[nn.Module, str, Tensor]
             if buf is not None:
                 out.append((m, name, buf))
         for child in m._modules.values():
-            if child is not None and get_fsdp_state(child) is None:
+            # Ignored modules (see _ignored.py) keep their buffers' dtype.
+            ignored = child is not None and child.__dict__.get("_fsdp_ignored", False)
+            if child is not None and get_fsdp_state(child) is None and not ignored:
                 stack.append(child)
     return out

@@ -15,11 +15,21 @@ pre-hook summons (with write-back) and inserts the prefix into the incoming
 keys, the post-hook ends the summon, writing each rank's chunk back, and
 cleans the reported missing/unexpected keys. Units are summoned one at a time
 while saving (peak: one unit's full parameters plus the result).
+
+[Note: state-dict types live in ckpt]
+Any other setting (``SHARDED_STATE_DICT``, ``LOCAL_STATE_DICT``, or ``FULL`` with
+``rank0_only``/``offload_to_cpu``), selected with ``ckpt.state_dict_type``, is
+recorded on each instance (``_state_dict_type``, ``_state_dict_config``) and the
+same four hooks hand over to ``ckpt._fsdp_model_state``. The import is lazy, so
+``import fsdp`` never needs ckpt; a non-default setting can only be made through
+ckpt anyway.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -28,8 +38,35 @@ from torch import nn
 from fsdp._common import FSDP_PREFIX, TrainingState, clean_fqn
 from fsdp._fsdp_state import FSDPState, get_fsdp_state
 from fsdp._summon import summon_unit
+from fsdp.api import StateDictType
 
-__all__ = ["register_state_dict_hooks"]
+__all__ = ["buffer_orig_dtypes_by_key", "ckpt_module", "register_state_dict_hooks"]
+
+
+def ckpt_module(name: str, feature: str) -> ModuleType:
+    """Import ``ckpt.<name>`` for ``feature``; an ImportError saying how to get it."""
+    try:
+        return importlib.import_module(f"ckpt.{name}")
+    except ImportError as e:
+        if e.name not in {"ckpt", f"ckpt.{name}"}:
+            raise
+        raise ImportError(
+            f"{feature} is provided by the ckpt package, which is not installed: pip install ckpt"
+        ) from e
+
+
+def _custom(module: nn.Module) -> ModuleType | None:
+    """ckpt's implementation if a non-default state-dict setting is selected."""
+    sd_type = getattr(module, "_state_dict_type", StateDictType.FULL_STATE_DICT)
+    config = getattr(module, "_state_dict_config", None)
+    if (
+        sd_type is StateDictType.FULL_STATE_DICT
+        and not getattr(config, "offload_to_cpu", False)
+        and not getattr(config, "rank0_only", False)
+    ):
+        return None
+    return ckpt_module("_fsdp_model_state", f"state_dict() with {sd_type.name}")
+
 
 _CTX = "_fsdp_state_dict_ctx"  # the ExitStack of an open summon, on the FSDP state
 
@@ -54,22 +91,40 @@ def _exit(state: FSDPState) -> None:
 
 
 def _pre_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+    custom = _custom(module)
+    if custom is not None:
+        custom.pre_state_dict(module, prefix)
+        return
     _enter(_state(module), writeback=False)
 
 
 def _post_state_dict(
     module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
 ) -> None:
+    custom = _custom(module)
+    if custom is not None:
+        custom.post_state_dict(module, state_dict, prefix)
+        return
     state = _state(module)
     try:
         inner = prefix + FSDP_PREFIX
-        orig_dtypes = _buffer_orig_dtypes_by_key(state, prefix)
+        orig_dtypes = buffer_orig_dtypes_by_key(state, prefix)
+        # An unsharded unit's summoned parameters alias its FlatParameter: copy them, or
+        # the next optimizer step would change the returned state dict.
+        flat_storage = (
+            state.unit.flat_param.untyped_storage().data_ptr() if state.unit is not None else None
+        )
         for key in [k for k in state_dict if k.startswith(inner)]:
             value = state_dict.pop(key)
             new_key = prefix + key[len(inner) :]
             dtype = orig_dtypes.get(new_key)
             if dtype is not None and isinstance(value, torch.Tensor):
                 value = value.to(dtype)
+            if (
+                isinstance(value, torch.Tensor)
+                and value.untyped_storage().data_ptr() == flat_storage
+            ):
+                value = value.clone()
             state_dict[new_key] = value
     finally:
         _exit(state)
@@ -78,7 +133,7 @@ def _post_state_dict(
 _post_state_dict._from_public_api = True  # type: ignore[attr-defined]
 
 
-def _buffer_orig_dtypes_by_key(state: FSDPState, prefix: str) -> dict[str, torch.dtype]:
+def buffer_orig_dtypes_by_key(state: FSDPState, prefix: str) -> dict[str, torch.dtype]:
     """Keys (after prefix stripping) of the buffers mixed precision cast, to their dtypes."""
     if not state.buffer_orig_dtypes:
         return {}
@@ -102,6 +157,10 @@ def _pre_load_state_dict(  # noqa: PLR0917 (nn.Module's hook signature)
     unexpected_keys: list[str],
     error_msgs: list[str],
 ) -> None:
+    custom = _custom(module)
+    if custom is not None:
+        custom.pre_load_state_dict(module, state_dict, prefix, missing_keys, error_msgs)
+        return
     _enter(_state(module), writeback=True)
     inner = prefix + FSDP_PREFIX
     for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:

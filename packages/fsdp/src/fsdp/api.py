@@ -19,8 +19,19 @@ from torch.nn.modules.batchnorm import _BatchNorm
 __all__ = [
     "BackwardPrefetch",
     "CPUOffload",
+    "FullOptimStateDictConfig",
+    "FullStateDictConfig",
+    "LocalOptimStateDictConfig",
+    "LocalStateDictConfig",
     "MixedPrecision",
+    "OptimStateDictConfig",
+    "OptimStateKeyType",
+    "ShardedOptimStateDictConfig",
+    "ShardedStateDictConfig",
     "ShardingStrategy",
+    "StateDictConfig",
+    "StateDictSettings",
+    "StateDictType",
 ]
 
 
@@ -40,8 +51,11 @@ class ShardingStrategy(Enum):
     - ``NO_SHARD``: nothing is sharded; gradients are all-reduced as in
       ``DistributedDataParallel``.
     - ``HYBRID_SHARD`` / ``_HYBRID_SHARD_ZERO2``: ``FULL_SHARD`` /
-      ``SHARD_GRAD_OP`` inside a group of ranks and replication across groups.
-      Not implemented yet (fsdp issue 3); the constructor raises.
+      ``SHARD_GRAD_OP`` inside a shard group of ranks (typically a node) and
+      replication across shard groups: gradients are reduce-scattered inside
+      the shard group, then all-reduced across the replicas, averaged over all
+      ranks as in DDP. Parameter traffic stays inside the (fast) shard group;
+      only ``1/shard_size`` of the gradient bytes cross groups.
     """
 
     FULL_SHARD = auto()
@@ -144,3 +158,124 @@ class CPUOffload:
     """
 
     offload_params: bool = False
+
+
+# --- state-dict types ------------------------------------------------------------------------
+# Plain data, as in torch.distributed.fsdp.api, so that scripts import them from fsdp (or
+# ckpt, which re-exports them) and so that an FSDP instance can record its setting without
+# the ckpt package. What each type produces is implemented by ckpt.
+
+
+class StateDictType(Enum):
+    """Which form ``state_dict()``/``load_state_dict()`` of an FSDP model take.
+
+    - ``FULL_STATE_DICT``: every parameter full (unsharded) under the keys of the
+      model before wrapping. The default; works without the ckpt package.
+    - ``SHARDED_STATE_DICT``: every parameter under its unwrapped key as a
+      ``DTensor`` sharded on dimension 0 over the process group's ``DeviceMesh``
+      (torch.distributed.checkpoint saves and reshards it; any world size loads it).
+    - ``LOCAL_STATE_DICT``: this rank's shard of each FlatParameter as is, under
+      ``<instance>._flat_param``; loads only at the world size that produced it.
+
+    Select one with ``ckpt.state_dict_type(model, ...)`` (or the
+    ``FullyShardedDataParallel`` static methods of the same names).
+    """
+
+    FULL_STATE_DICT = auto()
+    LOCAL_STATE_DICT = auto()
+    SHARDED_STATE_DICT = auto()
+
+
+@dataclass
+class StateDictConfig:
+    """Options common to every model state-dict type.
+
+    Fields:
+        offload_to_cpu: put the returned tensors in CPU memory (device memory
+            then only ever holds one unit's gathered parameters at a time).
+    """
+
+    offload_to_cpu: bool = False
+
+
+@dataclass
+class FullStateDictConfig(StateDictConfig):
+    """Options of ``FULL_STATE_DICT``.
+
+    Fields:
+        rank0_only: only global rank 0 receives the full tensors; every other
+            rank returns an empty dict (and needs no memory for them). With
+            ``offload_to_cpu`` this is how a model larger than one device is
+            saved: units are gathered one at a time and copied to rank 0's CPU.
+    """
+
+    rank0_only: bool = False
+
+
+@dataclass
+class LocalStateDictConfig(StateDictConfig):
+    """Options of ``LOCAL_STATE_DICT`` (only ``offload_to_cpu``)."""
+
+
+@dataclass
+class ShardedStateDictConfig(StateDictConfig):
+    """Options of ``SHARDED_STATE_DICT``.
+
+    ``_use_dtensor`` is accepted for torch compatibility; our sharded state
+    dicts always hold ``DTensor`` values.
+    """
+
+    _use_dtensor: bool = True
+
+
+@dataclass
+class OptimStateDictConfig:
+    """Options common to every optimizer state-dict type.
+
+    Fields:
+        offload_to_cpu: put the returned state tensors in CPU memory (default
+            ``True``, as in torch: optimizer state is twice the parameters for Adam).
+    """
+
+    offload_to_cpu: bool = True
+
+
+@dataclass
+class FullOptimStateDictConfig(OptimStateDictConfig):
+    """Options of the full optimizer state dict.
+
+    Fields:
+        rank0_only: only global rank 0 receives the state; other ranks get ``{}``.
+    """
+
+    rank0_only: bool = False
+
+
+@dataclass
+class LocalOptimStateDictConfig(OptimStateDictConfig):
+    """Options of the local optimizer state dict (on the device by default)."""
+
+    offload_to_cpu: bool = False
+
+
+@dataclass
+class ShardedOptimStateDictConfig(OptimStateDictConfig):
+    """Options of the sharded optimizer state dict (``DTensor`` values)."""
+
+    _use_dtensor: bool = True
+
+
+@dataclass
+class StateDictSettings:
+    """An FSDP tree's state-dict type with its model and optimizer configs."""
+
+    state_dict_type: StateDictType
+    state_dict_config: StateDictConfig
+    optim_state_dict_config: OptimStateDictConfig
+
+
+class OptimStateKeyType(Enum):
+    """How an optimizer state dict names parameters: by FQN or by integer index."""
+
+    PARAM_NAME = auto()
+    PARAM_ID = auto()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Generator, Iterable, Iterator
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 from torch import nn
@@ -21,11 +21,26 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 
 from fsdp import _grad_norm, _init
 from fsdp._common import FLAT_PARAM, FSDP_WRAPPED_MODULE, TrainingState, clean_fqn
+from fsdp._deferred_init import has_meta_states, materialize_unit, modules_to_materialize
 from fsdp._fsdp_state import FSDPState, get_fsdp_state
-from fsdp._state_dict import register_state_dict_hooks
+from fsdp._ignored import resolve_ignored
+from fsdp._process_groups import HYBRID_STRATEGIES, resolve_process_groups
+from fsdp._state_dict import ckpt_module, register_state_dict_hooks
 from fsdp._summon import summon_full_params as _summon_full_params
 from fsdp._summon import summon_unit
-from fsdp.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from fsdp.api import (
+    BackwardPrefetch,
+    CPUOffload,
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    MixedPrecision,
+    OptimStateDictConfig,
+    OptimStateKeyType,
+    ShardingStrategy,
+    StateDictConfig,
+    StateDictSettings,
+    StateDictType,
+)
 from fsdp.wrap import CustomPolicy, ModuleWrapPolicy, _auto_wrap
 
 __all__ = ["FullyShardedDataParallel"]
@@ -62,7 +77,9 @@ class FullyShardedDataParallel(nn.Module):
     Args:
         module: the module to wrap. Must not already be an FSDP instance.
         process_group: the group to shard over; ``None`` is the default group.
-            (A ``(shard, replicate)`` pair for hybrid sharding: not yet.)
+            For hybrid sharding, a pair ``(shard_group, replicate_group)``, or
+            ``None`` to shard inside each node and replicate across nodes (the
+            node size comes from the launcher's ``LOCAL_WORLD_SIZE``).
         sharding_strategy: :class:`ShardingStrategy`; ``None`` is
             ``FULL_SHARD``. At world size 1 every strategy behaves as
             ``NO_SHARD`` (nothing to communicate).
@@ -76,12 +93,29 @@ class FullyShardedDataParallel(nn.Module):
             single unit gathers the whole model at once.
         backward_prefetch: :class:`BackwardPrefetch` or ``None``.
         mixed_precision: :class:`MixedPrecision`.
-        ignored_modules: not implemented yet (fsdp issue 3); must be ``None``.
-        param_init_fn: not implemented yet (meta-device init, fsdp issue 3).
-        device_id: the compute device (an int is a CUDA index). Default: the
+        ignored_modules: modules whose subtrees (parameters and buffers) this
+            instance and the units it auto-wraps leave alone: not sharded, not
+            moved, gradients not reduced (each rank keeps its own). Not FSDP
+            instances. Prefer ``ignored_states``; pass only one of the two.
+        param_init_fn: for a module built on the ``meta`` device: called on
+            each module of a unit (breadth-first, skipping nested units and
+            ignored modules) just before the unit is flattened and sharded; it
+            must give the module's own parameters and buffers real storage
+            (e.g. ``m.to_empty(device=d, recurse=False)`` then initialise).
+            Without it, each module with meta states is ``to_empty``-ed onto
+            the compute device and its ``reset_parameters()`` is called. Either
+            way only one unit's unsharded parameters exist at a time, so a
+            model larger than one rank's memory can be built. Parameters tied
+            on the meta device stay tied.
+        device_id: the compute device (an int is a CUDA index), where meta
+            modules are materialised and the module is moved. Default: the
             module's device, or the current CUDA device for a CPU module when
             CUDA is available.
-        sync_module_states: not implemented yet (fsdp issue 3); must be False.
+        sync_module_states: broadcast the first rank's parameters and buffers
+            of each unit before sharding it, so that every rank starts from the
+            same model (e.g. only rank 0 loaded a checkpoint, or ranks seeded
+            differently). Under hybrid sharding across the replicate group
+            first, then inside the shard group. Works on CPU (gloo) too.
         forward_prefetch: gather the next unit (in the first iteration's
             forward order) before the current unit's forward computation.
             For static graphs; helps CPU-bound runs.
@@ -99,15 +133,24 @@ class FullyShardedDataParallel(nn.Module):
             optimizer created before wrapping keeps working. Needed for
             ``torch.compile`` (the FSDP hooks run eagerly between compiled
             regions) and for ``summon_full_params(with_grads=True)``.
-        ignored_states: not implemented yet (fsdp issue 3).
-        device_mesh: not implemented yet (fsdp issue 3).
+        ignored_states: parameters, or modules, to ignore (see
+            ``ignored_modules``); all of one kind.
+        device_mesh: a ``DeviceMesh`` instead of ``process_group``: 1-D for
+            ``FULL_SHARD``/``SHARD_GRAD_OP``/``NO_SHARD`` (shard over its
+            group), 2-D with dimensions ``(replicate, shard)`` for hybrid
+            sharding, as torch's FSDP.
     """
 
     _fsdp_state: FSDPState  # run-time hooks and training state
     _fsdp_wrapped_module: nn.Module
     process_group: Any  # dist.ProcessGroup the units are sharded over
+    _inter_node_pg: Any  # hybrid sharding: the replicate group (torch's name); else None
+    device_mesh: Any  # the DeviceMesh passed in, if any
+    _device_mesh: Any  # the DeviceMesh the groups came from (passed in or built), if any
+    _ignored_modules: set[nn.Module]  # every module of the ignored subtrees
+    _ignored_params: set[nn.Parameter]  # parameters left unsharded and unreduced
     rank: int  # this rank in process_group
-    world_size: int
+    world_size: int  # ranks in process_group (the shard group under hybrid sharding)
     sharding_strategy: ShardingStrategy  # NO_SHARD when world_size == 1
     cpu_offload: CPUOffload
     mixed_precision: MixedPrecision
@@ -116,6 +159,10 @@ class FullyShardedDataParallel(nn.Module):
     limit_all_gathers: bool
     compute_device: torch.device
     _use_orig_params: bool
+    # Selected by ckpt.state_dict_type; see [Note: state-dict types live in ckpt].
+    _state_dict_type: StateDictType
+    _state_dict_config: StateDictConfig
+    _optim_state_dict_config: OptimStateDictConfig
 
     def __init__(  # noqa: PLR0917 (torch's FSDP signature)
         self,
@@ -161,17 +208,12 @@ class FullyShardedDataParallel(nn.Module):
             raise TypeError(
                 f"backward_prefetch must be a BackwardPrefetch or None, got {backward_prefetch!r}"
             )
-        _init.check_unimplemented(
-            sharding_strategy=strategy,
-            process_group=process_group,
-            use_orig_params=use_orig_params,
-            param_init_fn=param_init_fn,
-            sync_module_states=sync_module_states,
-            ignored_modules=ignored_modules,
-            ignored_states=ignored_states,
-            device_mesh=device_mesh,
-        )
-        group, rank, world_size = _init.resolve_process_group(process_group)
+        if param_init_fn is not None and not callable(param_init_fn):
+            raise TypeError(
+                f"param_init_fn must be a callable (module) -> None, got {param_init_fn!r}"
+            )
+        ignored = resolve_ignored(module, ignored_modules, ignored_states, _is_fsdp)
+        groups = resolve_process_groups(process_group, device_mesh, strategy)
         _init.install_optimizer_check()
 
         if auto_wrap_policy is not None:
@@ -181,35 +223,56 @@ class FullyShardedDataParallel(nn.Module):
                 "cpu_offload": cpu_offload,
                 "backward_prefetch": backward_prefetch,
                 "mixed_precision": mixed_precision,
+                "param_init_fn": param_init_fn,
                 "device_id": device_id,
+                "sync_module_states": sync_module_states,
                 "forward_prefetch": forward_prefetch,
                 "limit_all_gathers": limit_all_gathers,
+                "ignored_states": ignored.for_children,
+                "device_mesh": device_mesh,
                 "use_orig_params": use_orig_params,
             }
-            _auto_wrap(
-                module,
-                auto_wrap_policy,
-                root_kwargs=root_kwargs,
-                wrapper_cls=FullyShardedDataParallel,
-                is_wrapped=_is_fsdp,
-            )
+            if strategy in HYBRID_STRATEGIES and device_mesh is None:
+                # Every unit shares the root's groups (also those built automatically).
+                root_kwargs["process_group"] = (groups.shard_group, groups.replicate_group)
+            try:
+                _auto_wrap(
+                    module,
+                    auto_wrap_policy,
+                    root_kwargs=root_kwargs,
+                    wrapper_cls=FullyShardedDataParallel,
+                    is_wrapped=_is_fsdp,
+                    ignored_modules=ignored.modules,
+                    ignored_params=ignored.params,
+                )
+            except _init.SharedParameterError as e:
+                raise e.in_model(module) from None
 
-        collected = _init.collect_unit_params(module, _is_fsdp)
+        # Deferred initialisation: this unit's own modules, now that inner units are built.
+        own_modules = modules_to_materialize(module, _is_fsdp)
+        if has_meta_states(own_modules, ignored.params):
+            materialize_unit(
+                module,
+                own_modules,
+                param_init_fn=param_init_fn,
+                device=_init.resolve_compute_device([], [], device_id),
+            )
+        collected = _init.collect_unit_params(module, _is_fsdp, ignored.params)
         buffers = _init.owned_buffers(module, _is_fsdp)
         compute_device = _init.resolve_compute_device(collected[1], buffers, device_id)
-        if world_size == 1 and strategy is not ShardingStrategy.NO_SHARD:
+        if groups.shard_size == 1 and strategy is not ShardingStrategy.NO_SHARD:
             strategy = ShardingStrategy.NO_SHARD  # as torch's FSDP: nothing to shard over
         unit = _init.build_unit(
             collected,
-            group=group,
-            rank=rank,
-            world_size=world_size,
+            groups=groups,
             strategy=strategy,
             compute_device=compute_device,
             mixed_precision=mixed_precision,
             cpu_offload=cpu_offload,
+            sync_module_states=sync_module_states,
             use_orig_params=use_orig_params,
         )
+        del collected  # the original parameters: free them before the enclosing unit is built
         self._fsdp_wrapped_module = module
         if unit is not None and not use_orig_params:
             self.register_parameter(FLAT_PARAM, unit.flat_param)
@@ -226,9 +289,14 @@ class FullyShardedDataParallel(nn.Module):
             inner = get_fsdp_state(m)
             if inner is not None and inner.parent is None:
                 inner.parent = self._fsdp_state
-        self.process_group = group
-        self.rank = rank
-        self.world_size = world_size
+        self.process_group = groups.shard_group
+        self._inter_node_pg = groups.replicate_group
+        self.device_mesh = device_mesh
+        self._device_mesh = groups.device_mesh
+        self._ignored_modules = set(ignored.modules)
+        self._ignored_params = set(ignored.params)
+        self.rank = groups.shard_rank
+        self.world_size = groups.shard_size
         self.sharding_strategy = strategy
         self.cpu_offload = cpu_offload
         self.mixed_precision = mixed_precision
@@ -237,6 +305,9 @@ class FullyShardedDataParallel(nn.Module):
         self.limit_all_gathers = limit_all_gathers
         self.compute_device = compute_device
         self._use_orig_params = bool(use_orig_params)
+        self._state_dict_type = StateDictType.FULL_STATE_DICT
+        self._state_dict_config = FullStateDictConfig()
+        self._optim_state_dict_config = FullOptimStateDictConfig()
         register_state_dict_hooks(self)
 
     # --- the wrapped module ----------------------------------------------------------------------
@@ -493,76 +564,156 @@ class FullyShardedDataParallel(nn.Module):
         for s in ctx.states:
             if s.comm_hook is not None:
                 raise RuntimeError("a communication hook is already registered on this FSDP tree")
+            if s.unit is not None and s.unit.config.replicate_group is not None:
+                raise RuntimeError(
+                    "communication hooks are not supported with hybrid sharding (HYBRID_SHARD, "
+                    "_HYBRID_SHARD_ZERO2), as in torch's FSDP: the hook would replace only the "
+                    "reduce-scatter inside the shard group, not the all-reduce across replicas. "
+                    "Use FULL_SHARD/SHARD_GRAD_OP with a hook, or hybrid sharding without one"
+                )
         for s in ctx.states:
             s.comm_hook = hook
             s.comm_hook_state = state
             s.comm_hook_casts = hook in LOW_PRECISION_HOOKS
 
     # --- state dicts (the ckpt package) ---------------------------------------------------------
+    # The seed's static methods, delegating to ckpt (imported lazily: fsdp never needs it).
+    # See ckpt's functions of the same names for the full documentation.
 
     @staticmethod
-    def state_dict_type(*args: Any, **kwargs: Any) -> NoReturn:
-        """Select a state-dict type: provided by the ``ckpt`` package (fsdp issue 4)."""
-        _ckpt_feature("state_dict_type")
+    def set_state_dict_type(
+        module: nn.Module,
+        state_dict_type: StateDictType,
+        state_dict_config: StateDictConfig | None = None,
+        optim_state_dict_config: OptimStateDictConfig | None = None,
+    ) -> StateDictSettings:
+        """Select the state-dict type of every FSDP instance in ``module``; return the old one."""
+        impl = ckpt_module("_state_dict_type", "FullyShardedDataParallel.set_state_dict_type")
+        settings: StateDictSettings = impl.set_state_dict_type(
+            module, state_dict_type, state_dict_config, optim_state_dict_config
+        )
+        return settings
 
     @staticmethod
-    def set_state_dict_type(*args: Any, **kwargs: Any) -> NoReturn:
-        """Select a state-dict type: provided by the ``ckpt`` package (fsdp issue 4)."""
-        _ckpt_feature("set_state_dict_type")
+    def get_state_dict_type(module: nn.Module) -> StateDictSettings:
+        """The state-dict settings of the FSDP instances in ``module`` (all must agree)."""
+        impl = ckpt_module("_state_dict_type", "FullyShardedDataParallel.get_state_dict_type")
+        settings: StateDictSettings = impl.get_state_dict_type(module)
+        return settings
 
     @staticmethod
-    def get_state_dict_type(*args: Any, **kwargs: Any) -> NoReturn:
-        """Query the state-dict type: provided by the ``ckpt`` package (fsdp issue 4)."""
-        _ckpt_feature("get_state_dict_type")
+    @contextlib.contextmanager
+    def state_dict_type(
+        module: nn.Module,
+        state_dict_type: StateDictType,
+        state_dict_config: StateDictConfig | None = None,
+        optim_state_dict_config: OptimStateDictConfig | None = None,
+    ) -> Generator[None, None, None]:
+        """:meth:`set_state_dict_type` inside the context, the previous setting after it."""
+        impl = ckpt_module("_state_dict_type", "FullyShardedDataParallel.state_dict_type")
+        with impl.state_dict_type(
+            module, state_dict_type, state_dict_config, optim_state_dict_config
+        ):
+            yield
 
     @staticmethod
-    def optim_state_dict(*args: Any, **kwargs: Any) -> NoReturn:
-        """Optimizer state dict keyed by parameter names: the ``ckpt`` package (issue 4)."""
-        _ckpt_feature("optim_state_dict")
+    def optim_state_dict(
+        model: nn.Module,
+        optim: torch.optim.Optimizer,
+        optim_state_dict: dict[str, Any] | None = None,
+        group: Any = None,
+    ) -> dict[str, Any]:
+        """The optimizer state keyed by parameter FQNs, full or sharded per the model's type."""
+        return _ckpt_optim("optim_state_dict")(model, optim, optim_state_dict, group)
 
     @staticmethod
-    def optim_state_dict_to_load(*args: Any, **kwargs: Any) -> NoReturn:
-        """Optimizer state dict to load: the ``ckpt`` package (issue 4)."""
-        _ckpt_feature("optim_state_dict_to_load")
+    def optim_state_dict_to_load(  # noqa: PLR0917 (torch's FSDP signature)
+        model: nn.Module,
+        optim: torch.optim.Optimizer,
+        optim_state_dict: dict[str, Any],
+        is_named_optimizer: bool = False,
+        load_directly: bool = False,
+        group: Any = None,
+    ) -> dict[str, Any]:
+        """Turn an :meth:`optim_state_dict` result into what ``optim.load_state_dict`` takes."""
+        return _ckpt_optim("optim_state_dict_to_load")(
+            model, optim, optim_state_dict, is_named_optimizer, load_directly, group
+        )
 
     @staticmethod
-    def full_optim_state_dict(*args: Any, **kwargs: Any) -> NoReturn:
-        """Full optimizer state dict: the ``ckpt`` package (issue 4)."""
-        _ckpt_feature("full_optim_state_dict")
+    def full_optim_state_dict(
+        model: nn.Module,
+        optim: torch.optim.Optimizer,
+        optim_input: Any = None,
+        rank0_only: bool = True,
+        group: Any = None,
+    ) -> dict[str, Any]:
+        """The full optimizer state keyed by FQNs (on rank 0 only by default)."""
+        return _ckpt_optim("full_optim_state_dict")(model, optim, optim_input, rank0_only, group)
 
     @staticmethod
-    def sharded_optim_state_dict(*args: Any, **kwargs: Any) -> NoReturn:
-        """Sharded optimizer state dict: the ``ckpt`` package (issue 4)."""
-        _ckpt_feature("sharded_optim_state_dict")
+    def sharded_optim_state_dict(
+        model: nn.Module, optim: torch.optim.Optimizer, group: Any = None
+    ) -> dict[str, Any]:
+        """The optimizer state keyed by FQNs with ``DTensor`` values sharded on dim 0."""
+        return _ckpt_optim("sharded_optim_state_dict")(model, optim, group)
 
     @staticmethod
-    def shard_full_optim_state_dict(*args: Any, **kwargs: Any) -> NoReturn:
-        """Shard a full optimizer state dict: the ``ckpt`` package (issue 4)."""
-        _ckpt_feature("shard_full_optim_state_dict")
+    def shard_full_optim_state_dict(
+        full_optim_state_dict: dict[str, Any],
+        model: nn.Module,
+        optim_input: Any = None,
+        optim: torch.optim.Optimizer | None = None,
+    ) -> dict[str, Any]:
+        """This rank's flat optimizer state dict from a full one (no communication)."""
+        return _ckpt_optim("shard_full_optim_state_dict")(
+            full_optim_state_dict, model, optim_input, optim
+        )
 
     @staticmethod
-    def scatter_full_optim_state_dict(*args: Any, **kwargs: Any) -> NoReturn:
-        """Scatter a full optimizer state dict: the ``ckpt`` package (issue 4)."""
-        _ckpt_feature("scatter_full_optim_state_dict")
+    def scatter_full_optim_state_dict(
+        full_optim_state_dict: dict[str, Any] | None,
+        model: nn.Module,
+        optim_input: Any = None,
+        optim: torch.optim.Optimizer | None = None,
+        group: Any = None,
+    ) -> dict[str, Any]:
+        """Like :meth:`shard_full_optim_state_dict` with the full dict only on rank 0."""
+        return _ckpt_optim("scatter_full_optim_state_dict")(
+            full_optim_state_dict, model, optim_input, optim, group
+        )
 
     @staticmethod
-    def flatten_sharded_optim_state_dict(*args: Any, **kwargs: Any) -> NoReturn:
-        """Flatten a sharded optimizer state dict: the ``ckpt`` package (issue 4)."""
-        _ckpt_feature("flatten_sharded_optim_state_dict")
+    def flatten_sharded_optim_state_dict(
+        sharded_optim_state_dict: dict[str, Any],
+        model: nn.Module,
+        optim: torch.optim.Optimizer,
+    ) -> dict[str, Any]:
+        """This rank's flat optimizer state dict from a :meth:`sharded_optim_state_dict`."""
+        return _ckpt_optim("flatten_sharded_optim_state_dict")(
+            sharded_optim_state_dict, model, optim
+        )
 
     @staticmethod
-    def rekey_optim_state_dict(*args: Any, **kwargs: Any) -> NoReturn:
-        """Re-key an optimizer state dict: the ``ckpt`` package (issue 4)."""
-        _ckpt_feature("rekey_optim_state_dict")
+    def rekey_optim_state_dict(
+        optim_state_dict: dict[str, Any],
+        optim_state_key_type: OptimStateKeyType,
+        model: nn.Module,
+        optim_input: Any = None,
+        optim: torch.optim.Optimizer | None = None,
+    ) -> dict[str, Any]:
+        """Re-key a full optimizer state dict between parameter FQNs and integer ids."""
+        return _ckpt_optim("rekey_optim_state_dict")(
+            optim_state_dict, optim_state_key_type, model, optim_input, optim
+        )
 
 
 def _is_fsdp(module: nn.Module) -> bool:
     return get_fsdp_state(module) is not None
 
 
-def _ckpt_feature(name: str) -> NoReturn:
-    raise NotImplementedError(
-        f"FullyShardedDataParallel.{name} belongs to the state-dict types and optimizer state "
-        "dicts, which the ckpt package provides (fsdp issue 4; not implemented yet). "
-        "model.state_dict()/load_state_dict() already work with the unwrapped model's keys."
+def _ckpt_optim(name: str) -> Callable[..., dict[str, Any]]:
+    fn: Callable[..., dict[str, Any]] = getattr(
+        ckpt_module("_fsdp_optim_state", f"FullyShardedDataParallel.{name}"), name
     )
+    return fn

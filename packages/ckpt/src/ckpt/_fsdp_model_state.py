@@ -1,0 +1,286 @@
+"""An fsdp model's ``state_dict``/``load_state_dict`` under each state-dict type.
+
+fsdp's four state-dict hooks call these when a type other than the default FULL one
+is selected (see [Note: state-dict types live in ckpt] in fsdp). Each FSDP instance
+handles its own unit; ``nn.Module.state_dict`` visits the instances recursively, and
+nothing is summoned, so a unit's parameters exist unsharded only while its own hook
+runs.
+
+[Note: one unit at a time]
+While saving, ``nn.Module.state_dict`` sees an instance's FlatParameter (its shard)
+under ``<prefix>_flat_param`` and no original parameters (they are not registered
+between forward passes). The post-hook replaces that key:
+
+* FULL: gathers the unit, copies each original parameter out of the gathered flat
+  tensor (to the CPU with ``offload_to_cpu``; on rank 0 only with ``rank0_only``)
+  and drops the gathered tensor before returning, so a rank's device holds at most
+  one unit unsharded at any time, and other ranks never hold a full copy.
+* SHARDED: the same gather, then each parameter's dimension-0 chunk as a DTensor
+  (see [Note: SHARDED is chunked per original parameter] in ``_fsdp_units.py``).
+* LOCAL: the shard itself (padding included) as a ``DTensor`` of the padded flat
+  tensor, which ``Shard(0)`` splits exactly as fsdp does; no communication.
+
+Loading is the mirror image: the pre-hook takes the unit's keys out of the incoming
+dict, rebuilds this rank's shard (from full tensors, from DTensors gathered
+parameter by parameter, or from the local shard) and puts it under
+``<prefix>_flat_param``, which ``nn.Module`` then copies into the FlatParameter with
+its usual shape check. Missing keys are reported through ``missing_keys`` and shape
+mismatches through ``error_msgs``, so ``load_state_dict(strict=True)`` lists them
+the way it does for any module.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Shard
+
+from ckpt._fsdp_units import (
+    UnitView,
+    full_value,
+    gather_flat,
+    inner_key,
+    mesh_for,
+    param_entries,
+    to_dtensor,
+)
+from flatparam import shard_flat
+from fsdp._common import FLAT_PARAM, TrainingState
+from fsdp._flat_param_unit import FlatParamUnit
+from fsdp._fsdp_state import FSDPState, get_fsdp_state
+from fsdp._state_dict import buffer_orig_dtypes_by_key
+from fsdp.api import StateDictConfig, StateDictType
+
+__all__ = [
+    "LocalShardMismatchError",
+    "local_shard_of",
+    "post_state_dict",
+    "pre_load_state_dict",
+    "pre_state_dict",
+]
+
+
+class LocalShardMismatchError(ValueError):
+    """A LOCAL state dict does not match this rank's shard (another world size or model)."""
+
+
+def _state(module: nn.Module) -> FSDPState:
+    state = get_fsdp_state(module)
+    assert state is not None, "ckpt's state-dict hooks run only on FSDP instances"
+    return state
+
+
+def _settings(module: nn.Module) -> tuple[StateDictType, StateDictConfig]:
+    return module._state_dict_type, module._state_dict_config  # type: ignore[return-value]
+
+
+def _unit_view(state: FSDPState, prefix: str) -> UnitView | None:
+    if state.unit is None:
+        return None
+    return UnitView(prefix, state, state.unit, param_entries(state.unit))
+
+
+def _copy_out(t: Tensor, offload: bool) -> Tensor:
+    """A copy that shares nothing with gathered or sharded storage."""
+    return t.detach().to("cpu" if offload else t.device, copy=True)
+
+
+def pre_state_dict(module: nn.Module, prefix: str) -> None:
+    """Nothing to prepare: see [Note: one unit at a time]; only the state is checked."""
+    _state(module).assert_state(TrainingState.IDLE, "state_dict")
+
+
+def post_state_dict(module: nn.Module, state_dict: dict[str, Any], prefix: str) -> None:
+    """Replace the instance's ``_flat_param`` entry by the selected type's entries."""
+    state = _state(module)
+    sd_type, config = _settings(module)
+    offload = config.offload_to_cpu
+    rank0_only = bool(getattr(config, "rank0_only", False))
+    view = _unit_view(state, prefix)
+    flat_key = prefix + FLAT_PARAM
+    flat_value = state_dict.pop(flat_key, None)
+    produced: dict[str, Any] = {}
+    if view is not None:
+        if sd_type is StateDictType.LOCAL_STATE_DICT:
+            produced[flat_key] = _local_dtensor(view.unit, offload)
+        else:
+            produced.update(_unit_params(view, sd_type, offload, rank0_only))
+    else:
+        assert flat_value is None
+    _strip_inner_prefix(state, state_dict, prefix, offload)
+    state_dict.update(produced)
+    if rank0_only and dist.get_rank() != 0:
+        for key in [k for k in state_dict if k.startswith(prefix)]:
+            del state_dict[key]
+
+
+def _unit_params(
+    view: UnitView, sd_type: StateDictType, offload: bool, rank0_only: bool
+) -> dict[str, Any]:
+    """FULL or SHARDED entries of one unit, gathered and released here."""
+    unit = view.unit
+    full = gather_flat(unit, unit.flat_param.detach())  # collective: every rank
+    out: dict[str, Any] = {}
+    if sd_type is StateDictType.FULL_STATE_DICT and rank0_only and dist.get_rank() != 0:
+        return out
+    device = torch.device("cpu") if offload else unit.config.compute_device
+    for entry in view.entries:
+        param = full[entry.start : entry.end].view(entry.shape)
+        value: Any
+        if sd_type is StateDictType.SHARDED_STATE_DICT:
+            value = to_dtensor(param, unit.config.group, device)
+        else:
+            value = _copy_out(param, offload)
+        out[view.prefix + entry.name] = value
+        for alias in entry.aliases:
+            out[view.prefix + alias] = value
+    del full
+    return out
+
+
+def _strip_inner_prefix(
+    state: FSDPState, state_dict: dict[str, Any], prefix: str, offload: bool
+) -> None:
+    """Keys below the instance lose its ``_fsdp_wrapped_module.``; buffers regain their
+    dtype from before mixed precision (and move to the CPU with ``offload``)."""
+    inner = inner_key(prefix)
+    orig_dtypes = buffer_orig_dtypes_by_key(state, prefix)
+    for key in [k for k in state_dict if k.startswith(inner)]:
+        value = state_dict.pop(key)
+        new_key = prefix + key[len(inner) :]
+        if isinstance(value, Tensor) and type(value) is Tensor:
+            dtype = orig_dtypes.get(new_key)
+            if dtype is not None:
+                value = value.to(dtype)
+            if offload:
+                value = value.to("cpu")
+        state_dict[new_key] = value
+
+
+def _local_dtensor(unit: FlatParamUnit, offload: bool) -> DTensor | Tensor:
+    """This rank's padded shard as a DTensor of the padded flat tensor.
+
+    The padded flat tensor (``padded_numel = world_size * shard_numel``) splits into
+    equal chunks, so ``Shard(0)`` describes the flat shards exactly. An unsharded
+    unit (NO_SHARD, one rank) holds the whole flat tensor on every rank: a plain
+    (replicated) tensor then.
+    """
+    data = _copy_out(unit.flat_param.detach(), offload)
+    if not unit.config.shard:
+        return data
+    mesh = mesh_for(unit.config.group, data.device.type)
+    return DTensor.from_local(
+        data,
+        mesh,
+        [Shard(0)],
+        run_check=False,
+        shape=torch.Size([unit.layout.padded_numel]),
+        stride=(1,),
+    )
+
+
+def local_shard_of(unit: FlatParamUnit, value: Any, key: str) -> Tensor:
+    """This rank's padded flat shard from a LOCAL state-dict value for ``unit``.
+
+    Raises :class:`LocalShardMismatchError` when the value was made for another shard
+    layout: a LOCAL state dict only loads at the world size (and model) that saved it.
+    """
+    world = unit.config.world_size if unit.config.shard else 1
+    if isinstance(value, DTensor):
+        saved_world = value.device_mesh.size()
+        if saved_world != world or value.placements != (Shard(0),):
+            raise LocalShardMismatchError(
+                f"{key}: the LOCAL state dict was saved on {saved_world} ranks ("
+                f"{value.placements}), this model is sharded over {world}: a LOCAL state "
+                f"dict loads only at the world size that saved it; save with "
+                f"SHARDED_STATE_DICT or FULL_STATE_DICT to change world size"
+            )
+        if tuple(value.shape) != (unit.layout.padded_numel,):
+            raise LocalShardMismatchError(
+                f"{key}: the LOCAL state dict holds a padded flat parameter of "
+                f"{tuple(value.shape)} elements, this model's has "
+                f"({unit.layout.padded_numel},): it was saved from another model"
+            )
+        data = value.to_local()
+    elif isinstance(value, Tensor):
+        data = value.detach().reshape(-1)
+        if data.numel() != unit.layout.shard_numel:
+            raise LocalShardMismatchError(
+                f"{key}: the LOCAL state dict holds a flat shard of {data.numel()} elements, "
+                f"this rank's has {unit.layout.shard_numel}: it was saved at another world "
+                f"size or from another model"
+            )
+    else:
+        raise TypeError(f"{key}: expected a DTensor or tensor, got {type(value).__name__}")
+    return data.to(device=unit.flat_param.device, dtype=unit.flat_param.dtype, copy=True)
+
+
+def pre_load_state_dict(
+    module: nn.Module,
+    state_dict: dict[str, Any],
+    prefix: str,
+    missing_keys: list[str],
+    error_msgs: list[str],
+) -> None:
+    """Rebuild this rank's shard from the incoming entries (see [Note: one unit at a time])."""
+    state = _state(module)
+    state.assert_state(TrainingState.IDLE, "load_state_dict")
+    sd_type, _ = _settings(module)
+    view = _unit_view(state, prefix)
+    flat_key = prefix + FLAT_PARAM
+    shard: Tensor | None = None
+    if view is not None:
+        if sd_type is StateDictType.LOCAL_STATE_DICT:
+            if flat_key in state_dict:
+                shard = local_shard_of(view.unit, state_dict.pop(flat_key), flat_key)
+        else:
+            shard = _shard_from_params(view, state_dict, missing_keys, error_msgs)
+    inner = inner_key(prefix)
+    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
+        if key != flat_key:
+            state_dict[inner + key[len(prefix) :]] = state_dict.pop(key)
+    if view is not None:
+        # Missing or mismatched entries were reported; keep the current values.
+        state_dict[flat_key] = view.unit.flat_param.detach() if shard is None else shard
+
+
+def _shard_from_params(
+    view: UnitView, state_dict: dict[str, Any], missing_keys: list[str], error_msgs: list[str]
+) -> Tensor | None:
+    """This rank's shard from FULL (tensors) or SHARDED (DTensor) entries of the unit."""
+    unit = view.unit
+    values: list[Any] = []
+    missing: list[str] = []
+    for entry in view.entries:
+        key = view.prefix + entry.name
+        for alias in entry.aliases:
+            state_dict.pop(view.prefix + alias, None)
+        if key not in state_dict:
+            missing.append(key)
+            continue
+        values.append(state_dict.pop(key))
+    if missing:
+        missing_keys.extend(missing)
+        return None
+    parts: list[Tensor] = []
+    bad = False
+    for entry, value in zip(view.entries, values, strict=True):
+        full = full_value(value)  # a collective for a DTensor: every rank, same order
+        if tuple(full.shape) != tuple(entry.shape):
+            error_msgs.append(
+                f"size mismatch for {view.prefix + entry.name}: copying a param with shape "
+                f"{tuple(full.shape)} from checkpoint, the shape in current model is "
+                f"{tuple(entry.shape)}."
+            )
+            bad = True
+            continue
+        parts.append(full.reshape(-1).to(unit.flat_param.dtype))
+    if bad:
+        return None
+    flat = torch.cat([p.to(unit.flat_param.device) for p in parts])
+    if not unit.config.shard:
+        return flat
+    return shard_flat(flat, unit.layout, unit.config.rank)

@@ -1,0 +1,532 @@
+"""Optimizer state of an fsdp model, keyed by the parameters' FQNs; the seed's API.
+
+An optimizer over an fsdp model steps FlatParameters, so its own ``state_dict()`` has
+one entry per flat shard (``exp_avg`` of ``shard_numel`` elements). The state dicts
+here have one entry per *original* parameter instead, in the layout of
+``torch.optim.Optimizer.state_dict()`` with names for indices::
+
+    {"state": {"blocks.0.fc1.weight": {"step": tensor(3.), "exp_avg": <[13, 6]>, ...}, ...},
+     "param_groups": [{"lr": 0.01, ..., "params": ["emb.weight", "blocks.0.fc1.weight", ...]}]}
+
+* full: every value is the whole tensor (``rank0_only``: on rank 0, others get ``{}``);
+* sharded: tensors are ``DTensor`` dimension-0 chunks, exactly like the model's
+  SHARDED state dict (see [Note: SHARDED is chunked per original parameter]).
+
+Both forms load at any world size, into fsdp (``optim_state_dict_to_load``) and into
+``zero_optim``/plain optimizers (``ckpt._zero_state``), because nothing in them depends on
+the flat layout. A state value is *per element* (split and concatenated with the
+parameters) when it is a tensor laid out like the flat shard; anything else (``step``,
+a 0-dim tensor) is *per parameter* and copied to each original parameter.
+
+[Note: optimizer state collectives]
+Turning flat shards into per-parameter tensors gathers each unit (and each DTensor is
+gathered on load), so every function here is a collective: call it on every rank,
+with the same model and optimizer. Units are visited in the same order everywhere.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from ckpt._fsdp_units import UnitView, full_value, gather_flat, to_dtensor, units_of
+from flatparam import shard_flat
+from fsdp._common import clean_fqn
+from fsdp.api import OptimStateKeyType, StateDictType
+
+__all__ = [
+    "flatten_sharded_optim_state_dict",
+    "fsdp_optim_state_dict",
+    "full_optim_state_dict",
+    "init_optim_state",
+    "load_fsdp_optim_state_dict",
+    "optim_state_dict",
+    "optim_state_dict_to_load",
+    "rekey_optim_state_dict",
+    "scatter_full_optim_state_dict",
+    "shard_full_optim_state_dict",
+    "sharded_optim_state_dict",
+]
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """One tensor the optimizer steps: a unit's FlatParameter or a plain parameter."""
+
+    param: Tensor
+    unit: UnitView | None  # None: a parameter outside every unit
+    fqn: str  # the plain parameter's name (unused for a unit)
+
+    def fqns(self) -> list[str]:
+        return self.unit.fqns() if self.unit is not None else [self.fqn]
+
+
+def _slots(model: nn.Module) -> dict[int, _Slot]:
+    """id(tensor the optimizer holds) -> what it stands for."""
+    out: dict[int, _Slot] = {}
+    for view in units_of(model):
+        out[id(view.unit.flat_param)] = _Slot(view.unit.flat_param, view, "")
+    for name, p in model.named_parameters():
+        if id(p) not in out:
+            out[id(p)] = _Slot(p, None, clean_fqn(name))
+    return out
+
+
+def _optim_params(optim: torch.optim.Optimizer) -> list[list[Tensor]]:
+    return [list(g["params"]) for g in optim.param_groups]
+
+
+def _slot_of(slots: Mapping[int, _Slot], p: Tensor) -> _Slot:
+    slot = slots.get(id(p))
+    if slot is None:
+        raise ValueError(
+            f"the optimizer holds a parameter of shape {tuple(p.shape)} that is not a parameter "
+            "of the model; pass the model whose parameters the optimizer was built from "
+            "(after wrapping)"
+        )
+    return slot
+
+
+def _is_flat_state(value: Any, view: UnitView) -> bool:
+    return (
+        isinstance(value, Tensor)
+        and value.dim() == 1
+        and value.numel() == view.unit.layout.shard_numel
+        and value.numel() > 0
+    ) or (
+        isinstance(value, Tensor)
+        and value.dim() == 1
+        and not view.unit.config.shard
+        and value.numel() == view.unit.layout.full_numel
+    )
+
+
+def _copy(value: Any, device: torch.device | None) -> Any:
+    if isinstance(value, Tensor):
+        return value.detach().to(device or value.device, copy=True)
+    return copy.deepcopy(value)
+
+
+def _unit_state(
+    view: UnitView, flat_state: Mapping[str, Any], sharded: bool, device: torch.device | None
+) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(fqn, state) for every parameter of a unit, from the flat parameter's state."""
+    per_param: dict[str, dict[str, Any]] = {e.name: {} for e in view.entries}
+    for key, value in flat_state.items():
+        if _is_flat_state(value, view):
+            full = gather_flat(view.unit, value)  # collective, see [Note: ...collectives]
+            for e in view.entries:
+                piece = full[e.start : e.end].view(e.shape)
+                if sharded:
+                    dev = device or view.unit.config.compute_device
+                    per_param[e.name][key] = to_dtensor(piece, view.unit.config.group, dev)
+                else:
+                    per_param[e.name][key] = _copy(piece, device)
+            del full
+        else:
+            for e in view.entries:
+                per_param[e.name][key] = _copy(value, device)
+    for e in view.entries:
+        yield view.prefix + e.name, per_param[e.name]
+
+
+def _named_groups(
+    param_groups: Sequence[Mapping[str, Any]],
+    params: Sequence[Sequence[Tensor]],
+    slots: Mapping[int, _Slot],
+) -> list[dict[str, Any]]:
+    out = []
+    for group, ps in zip(param_groups, params, strict=True):
+        entry = {k: copy.deepcopy(v) for k, v in group.items() if k != "params"}
+        entry["params"] = [fqn for p in ps for fqn in _slot_of(slots, p).fqns()]
+        out.append(entry)
+    return out
+
+
+def fsdp_optim_state_dict(
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    *,
+    sharded: bool,
+    rank0_only: bool = False,
+    offload_to_cpu: bool = True,
+    optim_state_dict: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The FQN-keyed optimizer state of an fsdp model: full or sharded (DTensor).
+
+    ``optim_state_dict`` is ``optim.state_dict()`` if not given. A collective (see
+    [Note: optimizer state collectives]).
+    """
+    osd = optim.state_dict() if optim_state_dict is None else optim_state_dict
+    slots = _slots(model)
+    params = _optim_params(optim)
+    device = torch.device("cpu") if offload_to_cpu else None
+    keep = not (rank0_only and not sharded and dist.get_rank() != 0)
+    state: dict[str, dict[str, Any]] = {}
+    index = 0
+    for ps in params:
+        for p in ps:
+            slot_state = osd["state"].get(index)
+            index += 1
+            if slot_state is None:
+                continue
+            slot = _slot_of(slots, p)
+            if slot.unit is None:
+                value = {k: _copy(v, device) for k, v in slot_state.items()}
+                state[slot.fqn] = value
+                continue
+            for fqn, value in _unit_state(slot.unit, slot_state, sharded, device):
+                if keep:
+                    state[fqn] = value
+    if not keep:
+        return {}
+    return {"state": state, "param_groups": _named_groups(osd["param_groups"], params, slots)}
+
+
+def _check_groups(
+    saved: Sequence[Mapping[str, Any]], current: Sequence[Sequence[str]], what: str
+) -> None:
+    if len(saved) != len(current):
+        raise ValueError(
+            f"{what}: the optimizer state dict has {len(saved)} parameter groups, this "
+            f"optimizer has {len(current)}; build the optimizer with the same groups"
+        )
+    for g, (group, names) in enumerate(zip(saved, current, strict=True)):
+        got = set(group["params"])
+        want = set(names)
+        if got != want:
+            raise ValueError(
+                f"{what}: parameter group {g} differs: missing from the state dict "
+                f"{sorted(want - got)[:10]}, unexpected {sorted(got - want)[:10]}"
+            )
+
+
+def _flat_state_of_unit(
+    view: UnitView, named_state: Mapping[str, Mapping[str, Any]], what: str
+) -> dict[str, Any] | None:
+    """A unit's flat state (this rank's shard) from per-FQN states; None if none saved."""
+    present = [view.prefix + e.name in named_state for e in view.entries]
+    if not any(present):
+        return None
+    if not all(present):
+        lacking = [
+            view.prefix + e.name for e, ok in zip(view.entries, present, strict=True) if not ok
+        ]
+        raise ValueError(
+            f"{what}: the optimizer state dict has state for some parameters of a unit but "
+            f"not for {lacking}; it is not from this model"
+        )
+    states = [named_state[view.prefix + e.name] for e in view.entries]
+    keys = list(states[0])
+    flat_param = view.unit.flat_param
+    out: dict[str, Any] = {}
+    for key in keys:
+        values = [s.get(key) for s in states]
+        per_element = any(isinstance(v, Tensor) and v.dim() > 0 for v in values)
+        if not per_element:
+            first = values[0]
+            out[key] = first.detach().clone() if isinstance(first, Tensor) else copy.deepcopy(first)
+            continue
+        parts: list[Tensor] = []
+        for e, v in zip(view.entries, values, strict=True):
+            full = full_value(v)  # collective for a DTensor: every rank, same order
+            if tuple(full.shape) != tuple(e.shape):
+                raise ValueError(
+                    f"{what}: state {key!r} of {view.prefix + e.name} has shape "
+                    f"{tuple(full.shape)}, the parameter has {tuple(e.shape)}"
+                )
+            parts.append(full.reshape(-1).to(flat_param.device))
+        flat = torch.cat(parts)
+        if view.unit.config.shard:
+            flat = shard_flat(flat, view.unit.layout, view.unit.config.rank)
+        out[key] = flat
+    return out
+
+
+def load_fsdp_optim_state_dict(
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    named: Mapping[str, Any],
+    what: str = "optim_state_dict_to_load",
+) -> dict[str, Any]:
+    """The ``optim.load_state_dict`` input (integer keys, flat shards) from an FQN-keyed one.
+
+    Accepts the full and the sharded form (DTensor values are gathered: a collective).
+    """
+    if not isinstance(named, Mapping) or "state" not in named or "param_groups" not in named:
+        raise ValueError(
+            f"{what}: expected an optimizer state dict with 'state' and 'param_groups' keyed "
+            "by parameter names (from optim_state_dict); got "
+            f"{sorted(named) if isinstance(named, Mapping) else type(named).__name__}"
+        )
+    slots = _slots(model)
+    params = _optim_params(optim)
+    names = [[fqn for p in ps for fqn in _slot_of(slots, p).fqns()] for ps in params]
+    _check_groups(named["param_groups"], names, what)
+    known = {fqn for group in names for fqn in group}
+    unexpected = sorted(set(named["state"]) - known)
+    if unexpected:
+        raise ValueError(
+            f"{what}: the optimizer state dict has state for parameters this model does not "
+            f"have: {unexpected[:10]}"
+        )
+    state: dict[int, Any] = {}
+    index = 0
+    for ps in params:
+        for p in ps:
+            slot = _slot_of(slots, p)
+            if slot.unit is None:
+                saved = named["state"].get(slot.fqn)
+                if saved is not None:
+                    state[index] = {
+                        k: full_value(v).detach().clone() if isinstance(v, Tensor) else v
+                        for k, v in saved.items()
+                    }
+            else:
+                flat = _flat_state_of_unit(slot.unit, named["state"], what)
+                if flat is not None:
+                    state[index] = flat
+            index += 1
+    groups = []
+    start = 0
+    for group, ps in zip(named["param_groups"], params, strict=True):
+        entry = {k: v for k, v in group.items() if k != "params"}
+        entry["params"] = list(range(start, start + len(ps)))
+        start += len(ps)
+        groups.append(entry)
+    return {"state": state, "param_groups": groups}
+
+
+def init_optim_state(optim: torch.optim.Optimizer) -> None:
+    """Give an optimizer that never stepped its state tensors (a step changing nothing).
+
+    Loading into an optimizer (``ckpt.load``) needs state of the right shapes to fill;
+    a fresh one has none. One step with zero gradients and a zero learning rate makes
+    it, as DCP's helpers do; the loaded state then replaces it. Collective for
+    ``zero_optim`` (its step broadcasts): call on every rank.
+    """
+    if any(optim.state.values()):
+        return
+    saved_grads: list[tuple[Tensor, Tensor | None]] = []
+    lrs = []
+    for group in optim.param_groups:
+        lrs.append(group["lr"])
+        group["lr"] = torch.tensor(0.0) if isinstance(group["lr"], Tensor) else 0.0
+        for p in group["params"]:
+            saved_grads.append((p, p.grad))
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+    try:
+        optim.step()
+    finally:
+        for group, lr in zip(optim.param_groups, lrs, strict=True):
+            group["lr"] = lr
+        for p, grad in saved_grads:
+            p.grad = grad
+
+
+# --- the seed's API (FullyShardedDataParallel's static methods delegate here) ----------------
+
+
+def _settings(model: nn.Module) -> tuple[StateDictType, bool, bool]:
+    from ckpt._state_dict_type import get_state_dict_type
+
+    settings = get_state_dict_type(model)
+    config = settings.optim_state_dict_config
+    return (
+        settings.state_dict_type,
+        bool(getattr(config, "rank0_only", False)),
+        bool(getattr(config, "offload_to_cpu", True)),
+    )
+
+
+def optim_state_dict(
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    optim_state_dict: dict[str, Any] | None = None,
+    group: Any = None,
+) -> dict[str, Any]:
+    """The optimizer state keyed by FQNs, in the form of the model's state-dict type.
+
+    FULL: full tensors (``FullOptimStateDictConfig(rank0_only)``: rank 0 only);
+    SHARDED: ``DTensor`` chunks; LOCAL: ``optim.state_dict()`` unchanged (flat
+    shards by index, loadable only at the same world size). ``offload_to_cpu`` of
+    the optimizer config puts the tensors on the CPU. A collective.
+    """
+    sd_type, rank0_only, offload = _settings(model)
+    if sd_type is StateDictType.LOCAL_STATE_DICT:
+        # The flat shards by index, as optim.state_dict() has them, but copied: the
+        # optimizer's own tensors would change under the next step.
+        local = optim.state_dict() if optim_state_dict is None else optim_state_dict
+        device = torch.device("cpu") if offload else None
+        return {
+            "state": {
+                i: {k: _copy(v, device) for k, v in s.items()} for i, s in local["state"].items()
+            },
+            "param_groups": copy.deepcopy(local["param_groups"]),
+        }
+    return fsdp_optim_state_dict(
+        model,
+        optim,
+        sharded=sd_type is StateDictType.SHARDED_STATE_DICT,
+        rank0_only=rank0_only,
+        offload_to_cpu=offload,
+        optim_state_dict=optim_state_dict,
+    )
+
+
+def optim_state_dict_to_load(  # noqa: PLR0917 (torch's FSDP signature)
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    optim_state_dict: dict[str, Any],
+    is_named_optimizer: bool = False,
+    load_directly: bool = False,
+    group: Any = None,
+) -> dict[str, Any]:
+    """What ``optim.load_state_dict`` takes, from an :func:`optim_state_dict` result.
+
+    Full and sharded inputs are both accepted (whatever the saving world size);
+    ``load_directly`` also loads it. A collective.
+    """
+    if is_named_optimizer:
+        raise NotImplementedError(
+            "is_named_optimizer=True (TorchRec's KeyedOptimizer) is not supported"
+        )
+    sd_type, _, _ = _settings(model)
+    if sd_type is StateDictType.LOCAL_STATE_DICT:
+        result = optim_state_dict
+    else:
+        result = load_fsdp_optim_state_dict(model, optim, optim_state_dict)
+    if load_directly:
+        optim.load_state_dict(result)
+    return result
+
+
+def full_optim_state_dict(
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    optim_input: Any = None,
+    rank0_only: bool = True,
+    group: Any = None,
+) -> dict[str, Any]:
+    """The full FQN-keyed optimizer state on the CPU (rank 0 only by default)."""
+    _no_optim_input(optim_input)
+    return fsdp_optim_state_dict(model, optim, sharded=False, rank0_only=rank0_only)
+
+
+def sharded_optim_state_dict(
+    model: nn.Module, optim: torch.optim.Optimizer, group: Any = None
+) -> dict[str, Any]:
+    """The FQN-keyed optimizer state with ``DTensor`` chunks (CPU)."""
+    return fsdp_optim_state_dict(model, optim, sharded=True)
+
+
+def shard_full_optim_state_dict(
+    full_optim_state_dict: dict[str, Any],
+    model: nn.Module,
+    optim_input: Any = None,
+    optim: torch.optim.Optimizer | None = None,
+) -> dict[str, Any]:
+    """This rank's flat optimizer state dict from a full one held by every rank."""
+    _no_optim_input(optim_input)
+    target = optim if optim is not None else _model_order_optimizer(model)
+    return load_fsdp_optim_state_dict(model, target, full_optim_state_dict)
+
+
+def scatter_full_optim_state_dict(
+    full_optim_state_dict: dict[str, Any] | None,
+    model: nn.Module,
+    optim_input: Any = None,
+    optim: torch.optim.Optimizer | None = None,
+    group: Any = None,
+) -> dict[str, Any]:
+    """Like :func:`shard_full_optim_state_dict`, with the full dict only on rank 0.
+
+    Rank 0 broadcasts it (as one pickled object) and every rank keeps its shard.
+    """
+    _no_optim_input(optim_input)
+    box = [full_optim_state_dict if dist.get_rank(group) == 0 else None]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group else 0, group=group)
+    if box[0] is None:
+        raise ValueError("scatter_full_optim_state_dict: rank 0 passed no state dict")
+    return shard_full_optim_state_dict(box[0], model, optim=optim)
+
+
+def flatten_sharded_optim_state_dict(
+    sharded_optim_state_dict: dict[str, Any],
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+) -> dict[str, Any]:
+    """This rank's flat optimizer state dict from a :func:`sharded_optim_state_dict`."""
+    return load_fsdp_optim_state_dict(model, optim, sharded_optim_state_dict)
+
+
+def rekey_optim_state_dict(
+    optim_state_dict: dict[str, Any],
+    optim_state_key_type: OptimStateKeyType,
+    model: nn.Module,
+    optim_input: Any = None,
+    optim: torch.optim.Optimizer | None = None,
+) -> dict[str, Any]:
+    """Re-key a full optimizer state dict between FQNs and integer parameter ids.
+
+    The ids are positions in ``optim``'s parameter groups (or ``model.parameters()``
+    order without ``optim``), the names are ``model``'s (unwrapped). Use it to move a
+    full state dict between an fsdp model and an unwrapped one.
+    """
+    _no_optim_input(optim_input)
+    if not isinstance(optim_state_key_type, OptimStateKeyType):
+        raise TypeError(
+            f"optim_state_key_type must be an OptimStateKeyType, got {optim_state_key_type!r}"
+        )
+    keys = list(optim_state_dict["state"])
+    if any(type(k) is not type(keys[0]) for k in keys):
+        raise ValueError(f"the state dict mixes key types: {keys[:10]}")
+    want_names = optim_state_key_type is OptimStateKeyType.PARAM_NAME
+    if not keys or isinstance(keys[0], str) == want_names:
+        return optim_state_dict
+    params = [p for ps in _optim_params(optim) for p in ps] if optim else list(model.parameters())
+    slots = _slots(model)
+    id_to_name: dict[int, str] = {}
+    for i, p in enumerate(params):
+        fqns = _slot_of(slots, p).fqns()
+        if len(fqns) != 1:
+            raise ValueError(
+                "rekey_optim_state_dict maps integer ids to parameters one to one; this model's "
+                "optimizer steps flat parameters, so rekey against the unwrapped model"
+            )
+        id_to_name[i] = fqns[0]
+    name_to_id = {n: i for i, n in id_to_name.items()}
+    table: Mapping[Any, Any] = id_to_name if want_names else name_to_id
+    try:
+        state = {table[k]: v for k, v in optim_state_dict["state"].items()}
+        groups = []
+        for group in optim_state_dict["param_groups"]:
+            entry = copy.deepcopy({k: v for k, v in group.items() if k != "params"})
+            entry["params"] = sorted(table[k] for k in group["params"])
+            groups.append(entry)
+    except KeyError as e:
+        raise ValueError(
+            f"rekey_optim_state_dict: the state dict names parameter {e.args[0]!r}, which "
+            "this model/optimizer does not have"
+        ) from None
+    return {"state": state, "param_groups": groups}
+
+
+def _no_optim_input(optim_input: Any) -> None:
+    if optim_input is not None:
+        raise ValueError(
+            "optim_input is deprecated (torch removed it) and not supported: pass optim= or "
+            "nothing (the model's parameters in order)"
+        )
+
+
+def _model_order_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    """A stand-in with one group of the model's parameters: the order torch assumes."""
+    return torch.optim.SGD(list(model.parameters()), lr=0.0)

@@ -1,0 +1,170 @@
+"""Optimizer state of ``zero_optim.ZeroRedundancyOptimizer``, keyed by parameter FQNs.
+
+Each parameter's state lives on the one rank that owns it (the ZeRO partition). The
+FQN-keyed state dicts here have the layout of ``ckpt._fsdp_optim_state`` (the same as
+``torch.optim`` with names for indices), so a checkpoint written by DDP + zero_optim
+loads into an fsdp model and the other way round, at any world size:
+
+* sharded: each rank returns the state of the parameters it owns, whole (plain
+  tensors under keys no other rank has; DCP writes each once);
+* full: everything, gathered to every rank or to rank 0 (``rank0_only``).
+
+Loading takes either form, or fsdp's (``DTensor`` values are gathered, a collective
+that every rank joins for every parameter in the same order), and each rank keeps
+the state of the parameters it owns.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from ckpt._fsdp_units import full_value
+from fsdp._common import clean_fqn
+from zero_optim import ZeroRedundancyOptimizer
+
+__all__ = ["load_zero_optim_state_dict", "param_names", "zero_optim_state_dict"]
+
+
+def param_names(model: nn.Module) -> dict[int, str]:
+    """id(parameter) -> its FQN without wrapper prefixes (DDP's ``module.``, FSDP's)."""
+    prefix = "module." if isinstance(model, nn.parallel.DistributedDataParallel) else ""
+    return {
+        id(p): clean_fqn(name).removeprefix(prefix)
+        for name, p in model.named_parameters(remove_duplicate=False)
+    }
+
+
+def _names_of(model: nn.Module, zero: ZeroRedundancyOptimizer) -> list[list[str]]:
+    names = param_names(model)
+    out: list[list[str]] = []
+    for group in zero.param_groups:
+        row = []
+        for p in group["params"]:
+            if id(p) not in names:
+                raise ValueError(
+                    f"the ZeroRedundancyOptimizer holds a parameter of shape {tuple(p.shape)} that "
+                    "is not a parameter of the model; pass the model it was built from"
+                )
+            row.append(names[id(p)])
+        out.append(row)
+    return out
+
+
+def _copy(value: Any, device: torch.device | None) -> Any:
+    if isinstance(value, Tensor):
+        return value.detach().to(device or value.device, copy=True)
+    return copy.deepcopy(value)
+
+
+def zero_optim_state_dict(
+    model: nn.Module,
+    zero: ZeroRedundancyOptimizer,
+    *,
+    full: bool,
+    rank0_only: bool = False,
+    offload_to_cpu: bool = True,
+) -> dict[str, Any]:
+    """The FQN-keyed state of ``zero``: this rank's parameters, or all (``full``).
+
+    ``full`` gathers every rank's part (a collective; with ``rank0_only`` only rank 0
+    receives it and other ranks return ``{}``).
+    """
+    names = _names_of(model, zero)
+    device = torch.device("cpu") if (offload_to_cpu or full) else None
+    mine: dict[str, dict[str, Any]] = {}
+    by_id = {
+        id(p): n
+        for group, row in zip(zero.param_groups, names, strict=True)
+        for p, n in zip(group["params"], row, strict=True)
+    }
+    for p in zero.params_per_rank[zero.rank]:
+        st = zero.optim.state.get(p)
+        if st:
+            mine[by_id[id(p)]] = {k: _copy(v, device) for k, v in st.items()}
+    state = mine
+    if full:
+        pg = zero.process_group
+        if rank0_only:
+            parts: list[Any] | None = [None] * zero.world_size if zero.rank == 0 else None
+            dist.gather_object(mine, parts, dst=dist.get_global_rank(pg, 0), group=pg)
+            if zero.rank != 0:
+                return {}
+            assert parts is not None
+        else:
+            parts = [None] * zero.world_size
+            dist.all_gather_object(parts, mine, group=pg)
+        state = {k: v for part in parts for k, v in part.items()}
+        order = [n for row in names for n in row]
+        state = {n: state[n] for n in order if n in state}
+    groups = []
+    for param_group, row in zip(zero.param_groups, names, strict=True):
+        entry = {k: copy.deepcopy(v) for k, v in param_group.items() if k != "params"}
+        entry["params"] = list(row)
+        groups.append(entry)
+    return {"state": state, "param_groups": groups}
+
+
+def load_zero_optim_state_dict(
+    model: nn.Module, zero: ZeroRedundancyOptimizer, named: Mapping[str, Any]
+) -> None:
+    """Load an FQN-keyed optimizer state dict (full, sharded, or fsdp's) into ``zero``."""
+    if not isinstance(named, Mapping) or "state" not in named or "param_groups" not in named:
+        raise ValueError(
+            "expected an optimizer state dict with 'state' and 'param_groups' keyed by "
+            "parameter names"
+        )
+    names = _names_of(model, zero)
+    saved_groups = named["param_groups"]
+    if len(saved_groups) != len(names):
+        raise ValueError(
+            f"the optimizer state dict has {len(saved_groups)} parameter groups, this "
+            f"optimizer has {len(names)}; build it with the same groups"
+        )
+    for g, (group, row) in enumerate(zip(saved_groups, names, strict=True)):
+        if set(group["params"]) != set(row):
+            got, want = set(group["params"]), set(row)
+            raise ValueError(
+                f"parameter group {g} differs: missing from the state dict "
+                f"{sorted(want - got)[:10]}, unexpected {sorted(got - want)[:10]}"
+            )
+    known = {n for row in names for n in row}
+    unexpected = sorted(set(named["state"]) - known)
+    if unexpected:
+        raise ValueError(
+            f"the optimizer state dict has state for parameters this model does not have: "
+            f"{unexpected[:10]}"
+        )
+    owned = {id(p) for p in zero.params_per_rank[zero.rank]}
+    state: dict[int, Any] = {}
+    index = 0
+    for group, row in zip(zero.param_groups, names, strict=True):
+        for p, name in zip(group["params"], row, strict=True):
+            saved = named["state"].get(name)
+            if saved is not None:
+                # Every rank gathers every DTensor (a collective), keeps only its own.
+                values = {
+                    k: full_value(v) if isinstance(v, Tensor) else v for k, v in saved.items()
+                }
+                if id(p) in owned:
+                    for k, v in values.items():
+                        if isinstance(v, Tensor) and v.dim() > 0 and v.shape != p.shape:
+                            raise ValueError(
+                                f"state {k!r} of {name} has shape {tuple(v.shape)}, the "
+                                f"parameter has {tuple(p.shape)}"
+                            )
+                    state[index] = values
+            index += 1
+    groups = []
+    start = 0
+    for group, saved_group in zip(zero.param_groups, saved_groups, strict=True):
+        entry = {k: v for k, v in saved_group.items() if k != "params"}
+        entry["params"] = list(range(start, start + len(group["params"])))
+        start += len(group["params"])
+        groups.append(entry)
+    zero.load_state_dict({"state": state, "param_groups": groups})

@@ -1,0 +1,75 @@
+"""Models, wrappers and a deterministic training loop for the fsdp/zero_optim ckpt tests.
+
+Every rank trains on the *same* batch at each step, so the averaged gradient is
+exactly the per-rank gradient at every world size (sums of 1, 2 or 4 equal values
+divided by a power of two are exact): runs at different world sizes and under
+different wrappers are then bit-identical, and a resumed run can be compared with
+an uninterrupted one with ``==``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: N817
+
+from tests.fsdp._common import SEQ, VOCAB, Block, loss_fn, make_net
+
+WRAPPERS = ("fsdp", "ddp-zero", "ddp")
+LR = 1e-2
+
+
+def wrap(kind: str, seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A model (same initial weights for a seed) and its optimizer under ``kind``."""
+    from fsdp import FullyShardedDataParallel as FSDP  # noqa: N817
+    from fsdp.wrap import ModuleWrapPolicy
+    from zero_optim import ZeroRedundancyOptimizer
+
+    net = make_net(seed)
+    if kind == "fsdp":
+        model: nn.Module = FSDP(net, auto_wrap_policy=ModuleWrapPolicy({Block}))
+        return model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    model = DDP(net)
+    if kind == "ddp-zero":
+        zero = ZeroRedundancyOptimizer(
+            model.parameters(), torch.optim.AdamW, lr=LR, weight_decay=0.1
+        )
+        return model, zero
+    assert kind == "ddp", kind
+    return model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+
+
+def batch(step: int) -> tuple[Tensor, Tensor]:
+    """The same batch on every rank (see the module docstring)."""
+    g = torch.Generator().manual_seed(500 + step)
+    return (
+        torch.randint(0, VOCAB, (2, SEQ), generator=g),
+        torch.randint(0, VOCAB, (2, SEQ), generator=g),
+    )
+
+
+def step(model: nn.Module, optim: torch.optim.Optimizer, i: int) -> float:
+    """One training step on batch ``i``; returns the loss (before the update)."""
+    x, y = batch(i)
+    optim.zero_grad()
+    loss = loss_fn(model(x), y)
+    loss.backward()
+    optim.step()
+    return float(loss.item())
+
+
+def train(model: nn.Module, optim: torch.optim.Optimizer, start: int, stop: int) -> list[float]:
+    return [step(model, optim, i) for i in range(start, stop)]
+
+
+def full_weights(model: nn.Module) -> dict[str, Tensor]:
+    """Full parameters by unwrapped name (a collective for fsdp)."""
+    from tests.fsdp._common import full_params
+
+    return full_params(model)
+
+
+def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

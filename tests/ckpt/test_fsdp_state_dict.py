@@ -1,0 +1,305 @@
+"""Model and optimizer state dicts of an fsdp model, per type and config, on 1/2/4 ranks.
+
+Each sub-case takes a state dict (model and optimizer) after 3 steps, loads it into a
+fresh model with other weights, trains one more step and compares the loss and the
+weights with the uninterrupted run: they must be identical. One spawn per world size.
+"""
+
+from __future__ import annotations
+
+import weakref
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+import ckpt
+from ckpt import (
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    LocalOptimStateDictConfig,
+    LocalStateDictConfig,
+    ShardedOptimStateDictConfig,
+    ShardedStateDictConfig,
+    StateDictType,
+)
+from tests.ckpt._wrappers import full_weights, same, step, train, wrap
+from tests.fsdp._common import make_net
+from tests.ranks import run_ranks
+
+FULL, SHARDED, LOCAL = (
+    StateDictType.FULL_STATE_DICT,
+    StateDictType.SHARDED_STATE_DICT,
+    StateDictType.LOCAL_STATE_DICT,
+)
+
+# (name, type, model config, optimizer config)
+CASES: list[tuple[str, StateDictType, Any, Any]] = [
+    ("full", FULL, FullStateDictConfig(), FullOptimStateDictConfig()),
+    ("full-offload", FULL, FullStateDictConfig(offload_to_cpu=True), FullOptimStateDictConfig()),
+    (
+        "full-rank0-offload",
+        FULL,
+        FullStateDictConfig(offload_to_cpu=True, rank0_only=True),
+        FullOptimStateDictConfig(offload_to_cpu=True, rank0_only=True),
+    ),
+    ("sharded", SHARDED, ShardedStateDictConfig(), ShardedOptimStateDictConfig(False)),
+    (
+        "sharded-offload",
+        SHARDED,
+        ShardedStateDictConfig(offload_to_cpu=True),
+        ShardedOptimStateDictConfig(),
+    ),
+    ("local", LOCAL, LocalStateDictConfig(), LocalOptimStateDictConfig()),
+    (
+        "local-offload",
+        LOCAL,
+        LocalStateDictConfig(offload_to_cpu=True),
+        LocalOptimStateDictConfig(offload_to_cpu=True),
+    ),
+]
+
+
+def _check_form(name: str, sd_type: StateDictType, sd: dict[str, Any], rank0_only: bool) -> None:
+    """The documented form of each type."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from ckpt._fsdp_units import chunk_bounds
+
+    reference = make_net().state_dict()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if sd_type is FULL:
+        if rank0_only and rank != 0:
+            assert sd == {}, (name, sorted(sd))
+            return
+        assert list(sd) == list(reference) or sorted(sd) == sorted(reference), name
+        for key, value in reference.items():
+            assert type(sd[key]) is Tensor and sd[key].shape == value.shape, (name, key)
+    elif sd_type is SHARDED:
+        assert sorted(sd) == sorted(reference), name
+        for key, value in reference.items():
+            got = sd[key]
+            if key == "scale":  # a buffer stays a plain tensor
+                assert type(got) is Tensor
+                continue
+            assert isinstance(got, DTensor), (name, key)
+            assert got.shape == value.shape, (name, key)
+            if value.dim() == 0:
+                assert got.placements == (Replicate(),)
+            else:
+                assert got.placements == (Shard(0),)
+                lo, hi = chunk_bounds(value.shape[0], world, rank)
+                assert got.to_local().shape[0] == hi - lo, (name, key)
+    else:
+        flats = sorted(k for k in sd if k.endswith("_flat_param"))
+        assert flats == [
+            "_flat_param",
+            "blocks.0._flat_param",
+            "blocks.1._flat_param",
+            "blocks.2._flat_param",
+        ], flats
+        for key in flats:
+            assert isinstance(sd[key], DTensor if world > 1 else Tensor), key
+
+
+def _broadcast(obj: Any) -> Any:
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _rank_types() -> dict[str, Any]:
+    from fsdp import FullyShardedDataParallel as FSDP  # noqa: N817
+
+    rank = dist.get_rank()
+    model, optim = wrap("fsdp")
+    train(model, optim, 0, 3)
+    snapshots = {}
+    for name, sd_type, config, optim_config in CASES:
+        with FSDP.state_dict_type(model, sd_type, config, optim_config):
+            assert FSDP.get_state_dict_type(model).state_dict_type is sd_type
+            sd = model.state_dict()
+            osd = FSDP.optim_state_dict(model, optim)
+        rank0_only = bool(getattr(config, "rank0_only", False))
+        _check_form(name, sd_type, sd, rank0_only)
+        if rank0_only:
+            assert (osd == {}) == (rank != 0), name
+        snapshots[name] = (sd, osd)
+    # Settings are restored after the context.
+    assert FSDP.get_state_dict_type(model).state_dict_type is FULL
+    # The uninterrupted run.
+    expected_loss = step(model, optim, 3)
+    expected = full_weights(model)
+    results = {}
+    for name, sd_type, config, optim_config in CASES:
+        sd, osd = snapshots[name]
+        if getattr(config, "rank0_only", False):
+            sd, osd = _broadcast(sd), _broadcast(osd)  # loading needs it on every rank
+        fresh, fresh_optim = wrap("fsdp", seed=9)
+        with ckpt.state_dict_type(fresh, sd_type, config, optim_config):
+            result = fresh.load_state_dict(sd)
+            assert not result.missing_keys and not result.unexpected_keys, (name, result)
+            to_load = FSDP.optim_state_dict_to_load(fresh, fresh_optim, osd)
+        fresh_optim.load_state_dict(to_load)
+        loss = step(fresh, fresh_optim, 3)
+        results[name] = loss == expected_loss and same(full_weights(fresh), expected)
+    return results
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_every_type_resumes_identically(world_size: int) -> None:
+    for results in run_ranks(_rank_types, world_size, timeout=180):
+        assert results == {name: True for name, *_ in CASES}
+
+
+# ----------------------------------------------------------- FULL rank0_only memory
+
+
+def _rank_full_rank0_bytes() -> dict[str, int]:
+    """Count the bytes of gathered (unsharded) units alive at each moment of a FULL
+    rank0_only + offload_to_cpu state_dict: never more than one unit's."""
+    import ckpt._fsdp_model_state as model_state
+    from fsdp import FullyShardedDataParallel as FSDP  # noqa: N817
+
+    model, _ = wrap("fsdp")
+    units = [s.unit for s in (m._fsdp_state for m in FSDP.fsdp_modules(model)) if s.unit]
+    largest = max(u.layout.full_numel * 4 for u in units)
+    total = sum(u.layout.full_numel * 4 for u in units)
+    live = {"now": 0, "peak": 0, "calls": 0}
+    original = model_state.gather_flat
+
+    def counting(unit: Any, shard: Tensor) -> Tensor:
+        full = original(unit, shard)
+        nbytes = full.numel() * full.element_size()
+        live["now"] += nbytes
+        live["calls"] += 1
+        live["peak"] = max(live["peak"], live["now"])
+        weakref.finalize(full.untyped_storage(), live.__setitem__, "now", live["now"] - nbytes)
+        return full
+
+    def peak_of(config: FullStateDictConfig) -> tuple[int, dict[str, Any]]:
+        live.update(now=0, peak=0, calls=0)
+        model_state.gather_flat = counting  # type: ignore[assignment]
+        try:
+            with ckpt.state_dict_type(model, FULL, config):
+                sd = model.state_dict()
+        finally:
+            model_state.gather_flat = original  # type: ignore[assignment]
+        assert live["calls"] == len(units)
+        return live["peak"], sd
+
+    peak, sd = peak_of(FullStateDictConfig(offload_to_cpu=True, rank0_only=True))
+    result_bytes = sum(v.numel() * v.element_size() for v in sd.values())
+    return {"peak": peak, "largest": largest, "total": total, "result": result_bytes}
+
+
+def test_full_rank0_only_holds_one_unit_at_a_time() -> None:
+    results = run_ranks(_rank_full_rank0_bytes, 2)
+    for rank, r in enumerate(results):
+        # Gathered: exactly the largest unit's bytes at the peak, far below the model.
+        assert r["peak"] == r["largest"] < r["total"], r
+        if rank != 0:
+            assert r["result"] == 0, r  # other ranks keep nothing
+    assert results[0]["result"] >= results[0]["total"]
+
+
+# ----------------------------------------------------------- errors
+
+
+def _expect(kind: type[BaseException], pattern: str, fn: Any, *args: Any) -> str:
+    import re
+
+    try:
+        fn(*args)
+    except kind as e:
+        assert re.search(pattern, str(e), re.DOTALL), (pattern, str(e))
+        return str(e)
+    raise AssertionError(f"no {kind.__name__} matching {pattern!r}")
+
+
+def _rank_errors(root: str) -> None:
+    from fsdp import FullyShardedDataParallel as FSDP  # noqa: N817
+    from fsdp.wrap import ModuleWrapPolicy
+    from tests.fsdp._common import Block
+
+    model, optim = wrap("fsdp")
+    train(model, optim, 0, 1)
+    with ckpt.state_dict_type(model, SHARDED):
+        sd = model.state_dict()
+    # Missing and unexpected keys are listed by load_state_dict(strict=True).
+    fresh, _ = wrap("fsdp", seed=3)
+    partial = {k: v for k, v in sd.items() if k != "head.bias"}
+    partial["head.extra"] = torch.zeros(1)
+    with ckpt.state_dict_type(fresh, SHARDED):
+        _expect(
+            RuntimeError,
+            r'Missing key.*"head.bias".*Unexpected key.*"head.extra"',
+            fresh.load_state_dict,
+            partial,
+        )
+    # A shape mismatch names the key and both shapes.
+    other = FSDP(make_net(0, n_blocks=3), auto_wrap_policy=ModuleWrapPolicy({Block}))
+    wide = nn.Linear(6, 14)
+    with ckpt.state_dict_type(other, FULL):
+        full = other.state_dict()
+    full["head.weight"] = wide.weight.detach()
+    with ckpt.state_dict_type(other, FULL, FullStateDictConfig(offload_to_cpu=True)):
+        _expect(
+            RuntimeError,
+            r"size mismatch for head.weight.*\(14, 6\).*\(13, 6\)",
+            other.load_state_dict,
+            full,
+        )
+    # A configuration of the wrong class is refused, not ignored.
+    _expect(
+        TypeError,
+        "SHARDED_STATE_DICT takes a ShardedStateDictConfig",
+        ckpt.set_state_dict_type,
+        model,
+        SHARDED,
+        FullStateDictConfig(rank0_only=True),
+    )
+    # A LOCAL state dict of another model: the flat sizes differ.
+    small = FSDP(make_net(0, n_blocks=3), auto_wrap_policy=ModuleWrapPolicy({Block}))
+    big = FSDP(nn.ModuleDict({"a": nn.Linear(6, 7)}))
+    with ckpt.state_dict_type(big, LOCAL):
+        local = big.state_dict()
+    local = {"_flat_param": local["_flat_param"]}
+    with ckpt.state_dict_type(small, LOCAL):
+        _expect(
+            ckpt.LocalShardMismatchError,
+            "saved from another model|another world size",
+            small.load_state_dict,
+            local,
+        )
+    # ckpt.load of another model's checkpoint: refused on every rank, nothing loaded.
+    ckpt.save({"model": big}, Path(root) / "big")
+    before = full_weights(small)
+    err = _expect(
+        ckpt.StateDictMismatchError,
+        "another model",
+        ckpt.load,
+        {"model": small},
+        Path(root) / "big",
+    )
+    assert "Missing from the checkpoint" in err
+    assert same(full_weights(small), before)
+    # An optimizer state dict of another model.
+    osd = ckpt.optim_state_dict(model, optim)
+    osd["state"]["nope.weight"] = osd["state"]["head.weight"]
+    fresh, fresh_optim = wrap("fsdp", seed=3)
+    _expect(
+        ValueError,
+        "does not have.*nope.weight",
+        FSDP.optim_state_dict_to_load,
+        fresh,
+        fresh_optim,
+        osd,
+    )
+
+
+def test_errors(tmp_path: Path) -> None:
+    run_ranks(_rank_errors, 2, str(tmp_path))
