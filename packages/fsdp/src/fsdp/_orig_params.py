@@ -44,7 +44,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from flatparam import ParamInfo, ShardLayout
+from flatparam import ParamInfo, ShardLayout, SharedParamInfo
 
 __all__ = ["OrigParams"]
 
@@ -169,6 +169,30 @@ class OrigParams:
     def _name(self, i: int) -> str:
         info = self.infos[i]
         return f"{info.module_name}.{info.param_name}" if info.module_name else info.param_name
+
+    # --- registration ---------------------------------------------------------------------
+
+    def deregister(self, shared: Sequence[SharedParamInfo]) -> None:
+        """Take the original parameters off their modules (``shared``: their aliases too).
+
+        For code written against the FlatParameter (the ckpt package's
+        state-dict types): between this and :meth:`register` the unit looks as
+        under ``use_orig_params=False``. Their data stays a view of the shard.
+        """
+        for info in self.infos:
+            info.module._parameters.pop(info.param_name, None)
+        for s in shared:
+            s.module._parameters.pop(s.param_name, None)
+
+    def register(self, shared: Sequence[SharedParamInfo]) -> None:
+        """Undo :meth:`deregister`."""
+        for info, p in zip(self.infos, self.params, strict=True):
+            info.module._parameters[info.param_name] = p
+        by_module = {
+            (id(i.module), i.param_name): p for i, p in zip(self.infos, self.params, strict=True)
+        }
+        for s in shared:
+            s.module._parameters[s.param_name] = by_module[(id(s.prim_module), s.prim_param_name)]
 
     # --- gradients ----------------------------------------------------------------------------
 
