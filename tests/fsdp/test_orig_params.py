@@ -15,7 +15,13 @@ are cut elsewhere than ours.
 A second spawn checks the surface: names, identity and shapes of the
 original parameters in each state, gradient views, ``zero_grad``, writes to
 parameters and gradients, ``summon_full_params`` with and without
-``with_grads``, and the state dict.
+``with_grads``, the state dict, bf16 mixed precision against FSDP1 (bit-equal),
+an optimizer built before wrapping, and size-based auto-wrapping. Further
+spawns: the error paths; ckpt's state-dict types (SHARDED, LOCAL, FULL with
+offload) round-tripping, also into ``use_orig_params=False``; and at world
+size 4 the composition with hybrid sharding 2x2 (vs DDP and FSDP1), meta-device
+init, ``sync_module_states`` (equal to ``use_orig_params=False``) and
+``ignored_modules`` (vs FSDP1).
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: N817
 
-from tests.fsdp._common import Block, batches, full_params, loss_fn, make_net, max_diff
+from tests.fsdp._common import Block, batches, full_params, loss_fn, make_net, max_diff, train
 from tests.ranks import run_ranks
 
 STEPS = 8
@@ -667,3 +673,115 @@ def test_orig_params_state_dict_types() -> None:
                 assert value is True, (key, where)
             else:
                 assert value == 0.0, (key, where)
+
+
+# ------------------------------------------------------------ with the other constructor features
+
+
+def _materialize(m: nn.Module) -> None:
+    """param_init_fn for a meta-device Net: allocate, then each module's own init."""
+    m.to_empty(device=torch.device("cpu"), recurse=False)
+    reset = getattr(m, "reset_parameters", None)
+    if callable(reset):
+        reset()
+    if "scale" in m._buffers:
+        m._buffers["scale"].fill_(0.75)  # type: ignore[union-attr]
+
+
+def _rank_compositions() -> dict[str, Any]:
+    import torch.distributed.fsdp as torch_fsdp
+    import torch.distributed.fsdp.wrap as torch_wrap
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import fsdp
+    import fsdp.wrap
+
+    data = batches(4)
+    out: dict[str, Any] = {}
+    ddp = DDP(make_net())
+    ddp_losses, _ = train_groups(ddp, data)
+    ddp_params = full_params(ddp)
+
+    def compare(
+        name: str, model: nn.Module, ref_losses: list[float], ref: dict[str, Tensor]
+    ) -> None:
+        losses, _ = train_groups(model, data)
+        out[name] = {
+            "loss": max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)),
+            "param": max_diff(full_params(model), ref),
+            "1d": all(p.dim() == 1 for p in model.parameters()),
+        }
+
+    # Hybrid sharding 2x2 (replicate, shard), vs DDP and vs torch's FSDP1.
+    mesh = init_device_mesh("cpu", (2, 2))
+    for api, wrap_mod, tag in ((fsdp, fsdp.wrap, "ours"), (torch_fsdp, torch_wrap, "torch")):
+        model = api.FullyShardedDataParallel(
+            make_net(),
+            sharding_strategy=api.ShardingStrategy.HYBRID_SHARD,
+            device_mesh=mesh,
+            auto_wrap_policy=wrap_mod.ModuleWrapPolicy({Block}),
+            use_orig_params=True,
+            device_id=torch.device("cpu"),
+        )
+        compare(f"hybrid_{tag}", model, ddp_losses, ddp_params)
+    # Deferred init from the meta device (reset_parameters unit by unit) and
+    # sync_module_states from rank 0 (each rank starts from other values):
+    # the same as use_orig_params=False with the same settings.
+    for name, kwargs in {
+        "meta": {"param_init_fn": _materialize},
+        "sync_module_states": {"sync_module_states": True},
+    }.items():
+        results = []
+        for orig in (False, True):
+            if name == "meta":
+                with torch.device("meta"):
+                    net: nn.Module = make_net()
+            else:
+                net = make_net(seed=dist.get_rank())
+            torch.manual_seed(1)  # the same materialised values for both
+            model = fsdp.FullyShardedDataParallel(
+                net,
+                auto_wrap_policy=fsdp.wrap.ModuleWrapPolicy({Block}),
+                use_orig_params=orig,
+                device_id=torch.device("cpu"),
+                **{k: v for k, v in kwargs.items() if v is not None},
+            )
+            losses, _ = train(model, data)  # one group: the same optimizer for flat and orig
+            results.append((losses, full_params(model)))
+        (l0, p0), (l1, p1) = results
+        out[name] = {
+            "loss": max(abs(a - b) for a, b in zip(l0, l1, strict=True)),
+            "param": max_diff(p0, p1),
+            "1d": True,
+        }
+    # An ignored module keeps its whole parameters (and DDP-like all-reduced grads
+    # are not FSDP's job: torch leaves them local too), vs torch's FSDP1.
+    for api, wrap_mod, tag in ((fsdp, fsdp.wrap, "ours"), (torch_fsdp, torch_wrap, "torch")):
+        net = make_net()
+        model = api.FullyShardedDataParallel(
+            net,
+            auto_wrap_policy=wrap_mod.ModuleWrapPolicy({Block}),
+            use_orig_params=True,
+            ignored_modules=[net.head],
+            device_id=torch.device("cpu"),
+        )
+        losses, _ = train_groups(model, data)
+        out[f"ignored_{tag}"] = (losses, full_params(model), tuple(net.head.weight.shape))
+    dist.barrier()
+    return out
+
+
+def test_orig_params_with_hybrid_meta_init_sync_and_ignored() -> None:
+    for rank, r in enumerate(run_ranks(_rank_compositions, 4, timeout=240)):
+        where = f"rank {rank}: { {k: v for k, v in r.items() if not k.startswith('ignored')} }"
+        for key in ("hybrid_ours", "hybrid_torch", "meta", "sync_module_states"):
+            assert r[key]["loss"] <= 1e-5 and r[key]["param"] <= 1e-5, (key, where)
+        assert r["meta"]["loss"] == 0.0 and r["sync_module_states"]["param"] == 0.0, where
+        assert r["hybrid_ours"]["1d"], where
+        (losses, params, shape), (t_losses, t_params, t_shape) = (
+            r["ignored_ours"],
+            r["ignored_torch"],
+        )
+        assert shape == t_shape == (13, 6), where
+        assert max(abs(a - b) for a, b in zip(losses, t_losses, strict=True)) <= 1e-5, where
+        assert max_diff(params, t_params) <= 1e-5, where
