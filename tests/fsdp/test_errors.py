@@ -33,11 +33,6 @@ def test_needs_a_process_group() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "error", "pattern"),
     [
-        (
-            {"use_orig_params": True},
-            NotImplementedError,
-            r"use_orig_params=True is not implemented yet \(fsdp issue 3",
-        ),
         ({"sharding_strategy": "FULL_SHARD"}, TypeError, "must be a ShardingStrategy"),
         ({"mixed_precision": torch.bfloat16}, TypeError, "must be a MixedPrecision"),
         ({"cpu_offload": True}, TypeError, "must be a CPUOffload"),

@@ -26,36 +26,12 @@ from fsdp.api import CPUOffload, MixedPrecision, ShardingStrategy
 __all__ = [
     "SharedParameterError",
     "build_unit",
-    "check_unimplemented",
     "collect_unit_params",
     "install_optimizer_check",
     "resolve_compute_device",
 ]
 
 _MANAGED = "_fsdp_managed"  # set on every module whose parameters a unit took
-
-
-def check_unimplemented(
-    *,
-    sharding_strategy: ShardingStrategy,
-    process_group: object,
-    use_orig_params: bool,
-    param_init_fn: object,
-    sync_module_states: bool,
-    ignored_modules: object,
-    ignored_states: object,
-    device_mesh: object,
-) -> None:
-    """Refuse, by name, the constructor features that are not implemented yet.
-
-    Each would otherwise change what a unit holds; ignoring one silently would
-    train a different model than the user asked for.
-    """
-    if use_orig_params:
-        raise NotImplementedError(
-            "use_orig_params=True is not implemented yet (fsdp issue 3: original parameters); "
-            "use use_orig_params=False"
-        )
 
 
 def resolve_compute_device(
@@ -134,7 +110,7 @@ def collect_unit_params(
         for name, p in mod._parameters.items():
             if p is None or p in ignored_params:
                 continue
-            if getattr(p, "_fsdp_replaced", False):
+            if getattr(p, "_fsdp_replaced", False) or getattr(p, "_fsdp_orig_param", False):
                 raise SharedParameterError(mod, name, p, module)
             if id(p) in first:
                 pm_name, pm, pn = first[id(p)]
@@ -213,7 +189,9 @@ def owned_buffers(module: nn.Module, is_fsdp: Callable[[nn.Module], bool]) -> li
     return out
 
 
-def _check_uniform(infos: list[ParamInfo], params: list[nn.Parameter]) -> None:
+def _check_uniform(
+    infos: list[ParamInfo], params: list[nn.Parameter], use_orig_params: bool = False
+) -> None:
     names = [f"{i.module_name}.{i.param_name}" if i.module_name else i.param_name for i in infos]
     dtypes: dict[torch.dtype, list[str]] = {}
     for n, p in zip(names, params, strict=True):
@@ -226,6 +204,8 @@ def _check_uniform(infos: list[ParamInfo], params: list[nn.Parameter]) -> None:
             "wrap the differing submodule in its own FSDP unit; for low-precision compute use "
             "mixed_precision=MixedPrecision(param_dtype=...)"
         )
+    if use_orig_params:
+        return  # frozen and trainable parameters may share a unit (see FlatParamUnit)
     grads: dict[bool, list[str]] = {}
     for n, p in zip(names, params, strict=True):
         grads.setdefault(p.requires_grad, []).append(n)
@@ -233,7 +213,8 @@ def _check_uniform(infos: list[ParamInfo], params: list[nn.Parameter]) -> None:
         raise ValueError(
             "with use_orig_params=False an FSDP unit's parameters must be all trainable or all "
             f"frozen, but requires_grad=True for {', '.join(grads[True][:6])} and False for "
-            f"{', '.join(grads[False][:6])}. Wrap the frozen submodules in their own units."
+            f"{', '.join(grads[False][:6])}. Wrap the frozen submodules in their own units, or "
+            "pass use_orig_params=True (which allows the mix)."
         )
 
 
@@ -246,6 +227,7 @@ def build_unit(
     mixed_precision: MixedPrecision,
     cpu_offload: CPUOffload,
     sync_module_states: bool = False,
+    use_orig_params: bool = False,
 ) -> FlatParamUnit | None:
     """Flatten and shard the parameters :func:`collect_unit_params` found; ``None`` if none.
 
@@ -279,7 +261,7 @@ def build_unit(
                     p.data = p.data.to(target)
     if not params:
         return None
-    _check_uniform(infos, params)
+    _check_uniform(infos, params, use_orig_params)
     shard = strategy is not ShardingStrategy.NO_SHARD and groups.shard_size > 1
     group, rank, world_size = groups.shard_group, groups.shard_rank, groups.shard_size
     replicate_group, replicate_size = groups.replicate_group, groups.replicate_size
@@ -299,6 +281,7 @@ def build_unit(
         offload_params=cpu_offload.offload_params,
         replicate_group=replicate_group if replicate_size > 1 else None,
         replicate_size=replicate_size,
+        use_orig_params=use_orig_params,
     )
     unit = FlatParamUnit(infos, params, shared, config)
     owner = weakref.ref(visited[0])

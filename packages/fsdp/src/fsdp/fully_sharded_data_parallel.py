@@ -20,7 +20,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 )
 
 from fsdp import _grad_norm, _init
-from fsdp._common import FLAT_PARAM, FSDP_PREFIX, FSDP_WRAPPED_MODULE, TrainingState
+from fsdp._common import FLAT_PARAM, FSDP_WRAPPED_MODULE, TrainingState, clean_fqn
 from fsdp._deferred_init import has_meta_states, materialize_unit, modules_to_materialize
 from fsdp._fsdp_state import FSDPState, get_fsdp_state
 from fsdp._ignored import resolve_ignored
@@ -49,8 +49,8 @@ __all__ = ["FullyShardedDataParallel"]
 class FullyShardedDataParallel(nn.Module):
     """Shard a module's parameters, gradients and optimizer state across ranks.
 
-    A drop-in for ``torch.distributed.fsdp.FullyShardedDataParallel`` (FSDP1)
-    with ``use_orig_params=False``: the wrapped module's parameters (those not
+    A drop-in for ``torch.distributed.fsdp.FullyShardedDataParallel`` (FSDP1).
+    With ``use_orig_params=False`` (the default) the wrapped module's parameters (those not
     inside nested FSDP instances) are flattened into one ``FlatParameter`` per
     instance ("unit") and each rank keeps ``1/world_size`` of it. A unit's full
     parameters are all-gathered just before its forward and its backward and
@@ -121,7 +121,18 @@ class FullyShardedDataParallel(nn.Module):
             For static graphs; helps CPU-bound runs.
         limit_all_gathers: bound the gathered units in flight to two on
             devices where the CPU runs ahead (CUDA); see [Note: rate limiter].
-        use_orig_params: must be ``False`` for now (fsdp issue 3).
+        use_orig_params: keep the original ``nn.Parameter`` objects, names
+            and ``requires_grad`` flags (see ``_orig_params.py``):
+            ``named_parameters()`` yields them under the unwrapped model's
+            names (unlike FSDP1, without ``_fsdp_wrapped_module.`` prefixes),
+            each a 1-D view of this rank's piece of the shard (possibly
+            empty; full-shaped for ``NO_SHARD``/one rank), and after backward
+            their ``.grad`` are views of the sharded gradient (``None`` for
+            frozen or empty ones). So an optimizer may use per-parameter
+            groups, units may mix frozen and trainable parameters, and an
+            optimizer created before wrapping keeps working. Needed for
+            ``torch.compile`` (the FSDP hooks run eagerly between compiled
+            regions) and for ``summon_full_params(with_grads=True)``.
         ignored_states: parameters, or modules, to ignore (see
             ``ignored_modules``); all of one kind.
         device_mesh: a ``DeviceMesh`` instead of ``process_group``: 1-D for
@@ -197,16 +208,6 @@ class FullyShardedDataParallel(nn.Module):
             raise TypeError(
                 f"backward_prefetch must be a BackwardPrefetch or None, got {backward_prefetch!r}"
             )
-        _init.check_unimplemented(
-            sharding_strategy=strategy,
-            process_group=process_group,
-            use_orig_params=use_orig_params,
-            param_init_fn=param_init_fn,
-            sync_module_states=sync_module_states,
-            ignored_modules=ignored_modules,
-            ignored_states=ignored_states,
-            device_mesh=device_mesh,
-        )
         if param_init_fn is not None and not callable(param_init_fn):
             raise TypeError(
                 f"param_init_fn must be a callable (module) -> None, got {param_init_fn!r}"
@@ -229,6 +230,7 @@ class FullyShardedDataParallel(nn.Module):
                 "limit_all_gathers": limit_all_gathers,
                 "ignored_states": ignored.for_children,
                 "device_mesh": device_mesh,
+                "use_orig_params": use_orig_params,
             }
             if strategy in HYBRID_STRATEGIES and device_mesh is None:
                 # Every unit shares the root's groups (also those built automatically).
@@ -268,10 +270,11 @@ class FullyShardedDataParallel(nn.Module):
             mixed_precision=mixed_precision,
             cpu_offload=cpu_offload,
             sync_module_states=sync_module_states,
+            use_orig_params=use_orig_params,
         )
         del collected  # the original parameters: free them before the enclosing unit is built
         self._fsdp_wrapped_module = module
-        if unit is not None:
+        if unit is not None and not use_orig_params:
             self.register_parameter(FLAT_PARAM, unit.flat_param)
         self._fsdp_state = FSDPState(
             self,
@@ -301,7 +304,7 @@ class FullyShardedDataParallel(nn.Module):
         self.forward_prefetch = forward_prefetch
         self.limit_all_gathers = limit_all_gathers
         self.compute_device = compute_device
-        self._use_orig_params = False
+        self._use_orig_params = bool(use_orig_params)
         self._state_dict_type = StateDictType.FULL_STATE_DICT
         self._state_dict_config = FullStateDictConfig()
         self._optim_state_dict_config = FullOptimStateDictConfig()
@@ -420,8 +423,9 @@ class FullyShardedDataParallel(nn.Module):
                 (others keep their shards); requires ``writeback=False``.
             offload_to_cpu: put the full parameters on the CPU (sharded units
                 only); best combined with ``rank0_only``.
-            with_grads: also gather gradients; needs ``use_orig_params=True``
-                (not implemented yet).
+            with_grads: also gather the gradients onto the original
+                parameters' ``.grad`` (full-shaped); needs
+                ``use_orig_params=True`` and ``offload_to_cpu=False``.
         """
         with _summon_full_params(
             module, recurse, writeback, rank0_only, offload_to_cpu, with_grads
@@ -429,16 +433,28 @@ class FullyShardedDataParallel(nn.Module):
             yield
 
     def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
-        """``nn.Module.named_parameters``; unwrapped names inside :meth:`summon_full_params`."""
-        clean = self._fsdp_state.training_state is TrainingState.SUMMON_FULL_PARAMS
+        """``nn.Module.named_parameters``; unwrapped names inside :meth:`summon_full_params`.
+
+        With ``use_orig_params=True`` always the unwrapped names (torch's FSDP1
+        keeps its ``_fsdp_wrapped_module.`` prefixes outside the summon), so
+        that parameter groups can be chosen by the names of the original model.
+        """
+        clean = (
+            self._use_orig_params
+            or self._fsdp_state.training_state is TrainingState.SUMMON_FULL_PARAMS
+        )
         for name, p in super().named_parameters(*args, **kwargs):
-            yield (name.replace(FSDP_PREFIX, "") if clean else name), p
+            yield (clean_fqn(name) if clean else name), p
 
     def named_buffers(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.Tensor]]:
-        """``nn.Module.named_buffers``; unwrapped names inside :meth:`summon_full_params`."""
-        clean = self._fsdp_state.training_state is TrainingState.SUMMON_FULL_PARAMS
+        """``nn.Module.named_buffers``; unwrapped names inside :meth:`summon_full_params`
+        (always with ``use_orig_params=True``, as :meth:`named_parameters`)."""
+        clean = (
+            self._use_orig_params
+            or self._fsdp_state.training_state is TrainingState.SUMMON_FULL_PARAMS
+        )
         for name, b in super().named_buffers(*args, **kwargs):
-            yield (name.replace(FSDP_PREFIX, "") if clean else name), b
+            yield (clean_fqn(name) if clean else name), b
 
     # --- gradients ------------------------------------------------------------------------------
 
@@ -497,9 +513,16 @@ class FullyShardedDataParallel(nn.Module):
                 continue
             flat_ids.add(id(unit.flat_param))
             all_no_shard = all_no_shard and not unit.config.shard
+            target = sharded if unit.config.shard else replicated
+            if unit.orig is not None:
+                # The gradients the optimizer will step: the original parameters'
+                # (views of the flat gradient unless the user replaced them).
+                flat_ids.update(id(p) for p in unit.orig.params)
+                target.extend(p.grad for p in unit.orig.params if p.grad is not None)
+                continue
             grad = unit.flat_param.grad
             if grad is not None:
-                (sharded if unit.config.shard else replicated).append(grad)
+                target.append(grad)
         if all_no_shard:
             return torch.nn.utils.clip_grad_norm_(list(self.parameters()), max_norm, norm_type)
         for p in self.parameters():
