@@ -258,3 +258,21 @@ def test_hybrid_traffic_stays_in_groups() -> None:
         shard_bytes = sorted(n * 4 for n in out["shard_numels"])
         assert sorted(b for _, _, b in reduces) == shard_bytes, calls
         assert sorted(b for _, _, b in scatters) == [2 * b for b in shard_bytes], calls
+
+
+def _rank_one() -> tuple[str, float]:
+    import fsdp
+
+    os.environ.pop("LOCAL_WORLD_SIZE", None)  # a plain `python train.py`: no launcher
+    data = batches(4)
+    ours = fsdp.FullyShardedDataParallel(
+        make_net(), sharding_strategy=fsdp.ShardingStrategy.HYBRID_SHARD
+    )
+    losses = train(ours, data)[0]
+    ref = train(make_net(), data)[0]
+    return ours.sharding_strategy.name, max(abs(a - b) for a, b in zip(losses, ref, strict=True))
+
+
+def test_hybrid_on_one_rank_without_launcher() -> None:
+    [(strategy, diff)] = run_ranks(_rank_one, 1)
+    assert strategy == "NO_SHARD" and diff == 0.0

@@ -101,6 +101,8 @@ def _mesh_device_type() -> str:
 def _local_world_size(world_size: int) -> int:
     """Ranks per node: the launcher's ``LOCAL_WORLD_SIZE`` (torchrun sets it)."""
     raw = os.environ.get("LOCAL_WORLD_SIZE")
+    if raw is None and world_size == 1:
+        return 1  # one process: one node, whatever launched it
     if raw is None:
         raise ValueError(
             "hybrid sharding without process_group= or device_mesh= shards inside each node "
