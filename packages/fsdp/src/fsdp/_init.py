@@ -93,7 +93,12 @@ def collect_unit_params(
     visited: list[nn.Module] = []
     first: dict[int, tuple[str, nn.Module, str]] = {}  # id(param) -> (module name, module, name)
 
-    def visit(prefix: str, mod: nn.Module) -> None:
+    # Pre-order, children in registration order; a loop, not a recursive closure, which would
+    # be a reference cycle keeping ``params`` (the unsharded originals) alive until the next
+    # garbage collection.
+    stack: list[tuple[str, nn.Module]] = [("", module)]
+    while stack:
+        prefix, mod = stack.pop()
         if mod.__dict__.get(_MANAGED):
             raise ValueError(
                 f"module {prefix.rstrip('.') or type(mod).__name__!r} ({type(mod).__name__}) "
@@ -114,11 +119,12 @@ def collect_unit_params(
             first[id(p)] = (mod_name, mod, name)
             infos.append(ParamInfo(mod_name, mod, name))
             params.append(p)
-        for cname, child in mod._modules.items():
-            if child is not None and not is_fsdp(child) and not child.__dict__.get(IGNORED):
-                visit(prefix + cname + ".", child)
-
-    visit("", module)
+        children = [
+            (prefix + cname + ".", child)
+            for cname, child in mod._modules.items()
+            if child is not None and not is_fsdp(child) and not child.__dict__.get(IGNORED)
+        ]
+        stack.extend(reversed(children))
     return infos, params, shared, visited
 
 

@@ -45,7 +45,9 @@ HYBRID_STRATEGIES = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHA
 
 # Meshes built for hybrid sharding without explicit groups, one per (default group, node size),
 # so that every FSDP instance (and every rank) uses the same groups. See _auto_hybrid_mesh.
-_AUTO_MESHES: dict[tuple[int, int], DeviceMesh] = {}
+# The default group itself is kept in the entry: a new default group (after
+# destroy_process_group) never matches an old entry.
+_AUTO_MESHES: list[tuple[Any, int, DeviceMesh]] = []
 
 
 @dataclass(frozen=True)
@@ -130,13 +132,14 @@ def _auto_hybrid_mesh() -> DeviceMesh:
     """
     world = dist.get_world_size()
     local = _local_world_size(world)
-    key = (id(dist.group.WORLD), local)
-    mesh = _AUTO_MESHES.get(key)
-    if mesh is None:
-        mesh = init_device_mesh(
-            _mesh_device_type(), (world // local, local), mesh_dim_names=("replicate", "shard")
-        )
-        _AUTO_MESHES[key] = mesh
+    default = dist.group.WORLD
+    for group, size, mesh in _AUTO_MESHES:
+        if group is default and size == local:
+            return mesh
+    mesh = init_device_mesh(
+        _mesh_device_type(), (world // local, local), mesh_dim_names=("replicate", "shard")
+    )
+    _AUTO_MESHES.append((default, local, mesh))
     return mesh
 
 
