@@ -18,6 +18,11 @@ the flat layout. A state value is *per element* (split and concatenated with the
 parameters) when it is a tensor laid out like the flat shard; anything else (``step``,
 a 0-dim tensor) is *per parameter* and copied to each original parameter.
 
+Under ``use_orig_params=True`` the optimizer steps the original parameters (each this
+rank's piece of the flat shard) instead; ``ckpt._orig_optim_state`` turns their state
+into the same FQN-keyed form and back, through the same per-unit gathers, so the
+forms above do not depend on the mode a checkpoint was written in.
+
 [Note: optimizer state collectives]
 Turning flat shards into per-parameter tensors gathers each unit (and each DTensor is
 gathered on load), so every function here is a collective: call it on every rank,
@@ -36,6 +41,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ckpt._fsdp_units import UnitView, full_value, gather_flat, to_dtensor, units_of
+from ckpt._orig_optim_state import load_orig_param_state, orig_unit_state
 from flatparam import shard_flat
 from fsdp._common import clean_fqn
 from fsdp.api import OptimStateKeyType, StateDictType
@@ -57,27 +63,31 @@ __all__ = [
 
 @dataclass(frozen=True)
 class _Slot:
-    """One tensor the optimizer steps: a unit's FlatParameter or a plain parameter."""
+    """One tensor the optimizer steps: a unit's FlatParameter, an original parameter of a
+    ``use_orig_params=True`` unit, or a plain parameter."""
 
     param: Tensor
     unit: UnitView | None  # None: a parameter outside every unit
     fqn: str  # the plain parameter's name (unused for a unit)
+    index: int | None = None  # an original parameter: its index in the unit
 
     def fqns(self) -> list[str]:
-        return self.unit.fqns() if self.unit is not None else [self.fqn]
+        if self.unit is None:
+            return [self.fqn]
+        if self.index is not None:
+            return [self.unit.prefix + self.unit.entries[self.index].name]
+        return self.unit.fqns()
 
 
 def _slots(model: nn.Module) -> dict[int, _Slot]:
     """id(tensor the optimizer holds) -> what it stands for."""
     out: dict[int, _Slot] = {}
     for view in units_of(model):
-        if view.unit.orig is not None:
-            raise NotImplementedError(
-                "optimizer state dicts of a model wrapped with use_orig_params=True are not "
-                "implemented yet (its optimizer steps the original parameters' shard pieces). "
-                "Save each rank's optim.state_dict() for a resume at the same world size, or "
-                "wrap with use_orig_params=False"
-            )
+        orig = view.unit.orig
+        if orig is not None:
+            for i, p in enumerate(orig.params):
+                out[id(p)] = _Slot(p, view, "", i)
+            continue
         out[id(view.unit.flat_param)] = _Slot(view.unit.flat_param, view, "")
     for name, p in model.named_parameters():
         if id(p) not in out:
@@ -175,22 +185,41 @@ def fsdp_optim_state_dict(
     params = _optim_params(optim)
     device = torch.device("cpu") if offload_to_cpu else None
     keep = not (rank0_only and not sharded and dist.get_rank() != 0)
+    saved_state = osd["state"]
+    flat_index = [p for ps in params for p in ps]
+    # Original parameters (use_orig_params=True): this rank's state of each, by unit.
+    orig_local: dict[int, dict[int, Any]] = {}
+    for index, p in enumerate(flat_index):
+        slot = _slot_of(slots, p)
+        if slot.index is not None:
+            assert slot.unit is not None
+            per_unit = orig_local.setdefault(id(slot.unit.unit), {})
+            if saved_state.get(index) is not None:
+                per_unit[slot.index] = saved_state[index]
+    orig_done: dict[int, dict[int, dict[str, Any]]] = {}
     state: dict[str, dict[str, Any]] = {}
-    index = 0
-    for ps in params:
-        for p in ps:
-            slot_state = osd["state"].get(index)
-            index += 1
-            if slot_state is None:
-                continue
-            slot = _slot_of(slots, p)
-            if slot.unit is None:
-                value = {k: _copy(v, device) for k, v in slot_state.items()}
-                state[slot.fqn] = value
-                continue
-            for fqn, value in _unit_state(slot.unit, slot_state, sharded, device):
-                if keep:
-                    state[fqn] = value
+    for index, p in enumerate(flat_index):
+        slot = _slot_of(slots, p)
+        if slot.unit is not None and slot.index is not None:
+            # The whole unit at its first parameter: the same order on every rank.
+            key = id(slot.unit.unit)
+            if key not in orig_done:
+                orig_done[key] = orig_unit_state(
+                    slot.unit, orig_local[key], sharded=sharded, device=device
+                )
+            value = orig_done[key].get(slot.index)
+            if value is not None and keep:
+                state[slot.fqns()[0]] = value
+            continue
+        slot_state = saved_state.get(index)
+        if slot_state is None:
+            continue
+        if slot.unit is None:
+            state[slot.fqn] = {k: _copy(v, device) for k, v in slot_state.items()}
+            continue
+        for fqn, value in _unit_state(slot.unit, slot_state, sharded, device):
+            if keep:
+                state[fqn] = value
     if not keep:
         return {}
     return {"state": state, "param_groups": _named_groups(osd["param_groups"], params, slots)}
@@ -280,15 +309,21 @@ def load_fsdp_optim_state_dict(
     unexpected = sorted(set(named["state"]) - known)
     if unexpected:
         raise ValueError(
-            f"{what}: the optimizer state dict has state for parameters this model does not "
-            f"have: {unexpected[:10]}"
+            f"{what}: the optimizer state dict has state for parameters this optimizer does "
+            f"not have (not in the model, or left out of its parameter groups, e.g. frozen): "
+            f"{unexpected[:10]}"
         )
     state: dict[int, Any] = {}
     index = 0
     for ps in params:
         for p in ps:
             slot = _slot_of(slots, p)
-            if slot.unit is None:
+            if slot.unit is not None and slot.index is not None:
+                fqn = slot.fqns()[0]
+                piece = load_orig_param_state(slot.unit, slot.index, named["state"].get(fqn), what)
+                if piece is not None:
+                    state[index] = piece
+            elif slot.unit is None:
                 saved = named["state"].get(slot.fqn)
                 if saved is not None:
                     state[index] = {
