@@ -18,7 +18,15 @@ ROOT = Path(__file__).parent
 # Dependency order: each package only needs the ones before it.
 PACKAGES = ["flatparam", "zero_optim", "fsdp", "ckpt"]
 TORCH = shlex.split(os.environ.get("FSDP_TORCH_SPEC", "torch==2.13.0"))
-TEST_DEPS = ["pytest==9.2.0", "pytest-timeout==2.4.0", "hypothesis==6.170.15", "numpy"]
+# transformers: tests/fsdp/test_transformers.py builds GPT-2 and Llama from configs (no
+# download); it declares no torch dependency, so the pinned torch stays.
+TEST_DEPS = [
+    "pytest==9.2.0",
+    "pytest-timeout==2.4.0",
+    "hypothesis==6.170.15",
+    "numpy",
+    "transformers==5.23.0",
+]
 TYPE_DEPS = ["mypy==2.4.1", "pytest==9.2.0", "hypothesis==6.170.15", "numpy"]
 # What examples/train.py needs beyond the stack (its end-to-end test runs in `tests`).
 EXAMPLE_DEPS = ["rich==15.0.0", "matplotlib==3.11.2"]

@@ -41,7 +41,10 @@ def _read_pids(folder: Path, world_size: int) -> list[int]:
 
 
 def _write_pid(folder: str) -> None:
-    (Path(folder) / f"pid{dist.get_rank()}").write_text(str(os.getpid()))
+    # Written beside and renamed, so a reader never sees a half-written file.
+    path = Path(folder) / f"pid{dist.get_rank()}"
+    path.with_suffix(".tmp").write_text(str(os.getpid()))
+    path.with_suffix(".tmp").rename(path)
 
 
 # ---------------------------------------------------------------- rank functions
@@ -232,13 +235,25 @@ def test_interrupted_call_kills_its_ranks(tmp_path: Path) -> None:
     def interrupt(signum: int, frame: object) -> None:
         raise InterruptError
 
+    def interrupt_once_ranks_run(done: threading.Event) -> None:
+        # Interrupt only once both ranks wrote their pid (a fixed delay raced rank
+        # start-up on a loaded machine); give up with the call's own timeout.
+        deadline = time.monotonic() + 60
+        while not done.wait(0.01) and time.monotonic() < deadline:
+            if all((tmp_path / f"pid{r}").exists() for r in range(2)):
+                signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGALRM)
+                return
+
     old = signal.signal(signal.SIGALRM, interrupt)
+    done = threading.Event()
+    watcher = threading.Thread(target=interrupt_once_ranks_run, args=(done,), daemon=True)
     try:
-        signal.setitimer(signal.ITIMER_REAL, 1.0)
+        watcher.start()
         with pytest.raises(InterruptError):
             run_ranks(_block_all, 2, str(tmp_path), timeout=60)
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
+        done.set()
+        watcher.join()
         signal.signal(signal.SIGALRM, old)
     assert not any(_alive(pid) for pid in _read_pids(tmp_path, 2))
     assert run_ranks(_trivial, 2) == [0, 1]  # the harness still works afterwards

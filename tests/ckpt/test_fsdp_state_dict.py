@@ -172,7 +172,10 @@ def _rank_full_rank0_bytes() -> dict[str, int]:
     original = model_state.gather_flat
 
     def counting(unit: Any, shard: Tensor) -> Tensor:
-        full = original(unit, shard)
+        # Track a copy: gloo's worker thread may drop its own reference to the gathered
+        # buffer a moment after wait() returns, which made the count flaky under load;
+        # what is asserted is how long ckpt's code keeps each gathered unit.
+        full = original(unit, shard).clone()
         nbytes = full.numel() * full.element_size()
         live["now"] += nbytes
         live["calls"] += 1

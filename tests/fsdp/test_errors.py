@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp import CPUOffload, FullyShardedDataParallel, MixedPrecision, ShardingStrategy
+from fsdp import CPUOffload, FullyShardedDataParallel, MixedPrecision
 from tests.fsdp._common import Block, batches, loss_fn, make_net
 from tests.ranks import run_ranks
 
@@ -33,31 +33,6 @@ def test_needs_a_process_group() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "error", "pattern"),
     [
-        (
-            {"use_orig_params": True},
-            NotImplementedError,
-            r"use_orig_params=True is not implemented yet \(fsdp issue 3",
-        ),
-        (
-            {"sharding_strategy": ShardingStrategy.HYBRID_SHARD},
-            NotImplementedError,
-            "hybrid sharding",
-        ),
-        (
-            {"sharding_strategy": ShardingStrategy._HYBRID_SHARD_ZERO2},
-            NotImplementedError,
-            "hybrid",
-        ),
-        (
-            {"process_group": (None, None)},
-            NotImplementedError,
-            r"\(shard, replicate\) process_group pair",
-        ),
-        ({"device_mesh": object()}, NotImplementedError, "device_mesh"),
-        ({"param_init_fn": lambda m: None}, NotImplementedError, "meta-device deferred"),
-        ({"sync_module_states": True}, NotImplementedError, "sync_module_states=True"),
-        ({"ignored_modules": []}, NotImplementedError, "ignored_modules"),
-        ({"ignored_states": []}, NotImplementedError, "ignored_states"),
         ({"sharding_strategy": "FULL_SHARD"}, TypeError, "must be a ShardingStrategy"),
         ({"mixed_precision": torch.bfloat16}, TypeError, "must be a MixedPrecision"),
         ({"cpu_offload": True}, TypeError, "must be a CPUOffload"),
@@ -224,13 +199,6 @@ def int_device_without_cuda() -> None:
 
 
 @case
-def meta_module() -> None:
-    with torch.device("meta"):
-        net = nn.Linear(2, 2)
-    FullyShardedDataParallel(net)
-
-
-@case
 def comm_hook_not_callable() -> None:
     _wrapped().register_comm_hook(None, 3)  # type: ignore[arg-type]
 
@@ -263,10 +231,14 @@ EXPECTED: dict[str, tuple[str, str]] = {
     "summon_rank0_writeback": ("ValueError", "Pass writeback=False"),
     "mixed_dtypes_in_unit": ("ValueError", r"must share one dtype.*torch\.float64: head\.weight"),
     "mixed_requires_grad_in_unit": ("ValueError", "all trainable or all frozen.*head.weight"),
-    "shared_across_units": ("ValueError", "already flattened into another FSDP unit"),
+    "shared_across_units": (
+        "SharedParameterError",  # a ValueError
+        r"parameter 'blocks\.1\.fc1\.weight' \(Linear\) is the same tensor as "
+        r"'blocks\.0\.fc1\.weight', which the FSDP unit 'blocks\.0' \(Block\) already "
+        "flattened.*Wrap both modules in one unit",
+    ),
     "double_backward": ("RuntimeError", "gradients of gradients"),
     "int_device_without_cuda": ("ValueError", "names a CUDA device but CUDA is not available"),
-    "meta_module": ("NotImplementedError", "meta device; deferred initialisation"),
     "comm_hook_not_callable": ("ValueError", "must be callable"),
     "inner_used_as_root_first": ("RuntimeError", "already ran as a root"),
 }

@@ -71,6 +71,13 @@ def _slots(model: nn.Module) -> dict[int, _Slot]:
     """id(tensor the optimizer holds) -> what it stands for."""
     out: dict[int, _Slot] = {}
     for view in units_of(model):
+        if view.unit.orig is not None:
+            raise NotImplementedError(
+                "optimizer state dicts of a model wrapped with use_orig_params=True are not "
+                "implemented yet (its optimizer steps the original parameters' shard pieces). "
+                "Save each rank's optim.state_dict() for a resume at the same world size, or "
+                "wrap with use_orig_params=False"
+            )
         out[id(view.unit.flat_param)] = _Slot(view.unit.flat_param, view, "")
     for name, p in model.named_parameters():
         if id(p) not in out:

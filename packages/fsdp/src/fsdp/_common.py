@@ -9,7 +9,7 @@ import dataclasses
 from collections import OrderedDict
 from collections.abc import Callable
 from enum import Enum, auto
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import Tensor
@@ -23,6 +23,7 @@ __all__ = [
     "apply_to_tensors",
     "cast_floating_tensors",
     "clean_fqn",
+    "eager_only",
     "move_tensors_to_device",
 ]
 
@@ -47,9 +48,27 @@ class TrainingState(Enum):
     parameters are registered on their modules as full tensors."""
 
 
+CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."
+"""What torch's activation-checkpoint wrapper inserts into the names below it."""
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def eager_only(fn: _F) -> _F:
+    """Keep ``torch.compile`` out of ``fn``: it runs eagerly, between compiled regions.
+
+    For the FSDP hooks around each unit's forward: collectives in flight,
+    storage freed and reallocated, and Python state changes are what a graph
+    cannot hold, while the modules' own computation between the hooks
+    compiles well. Dynamo breaks the graph at each call instead of tracing in.
+    """
+    return cast(_F, torch.compiler.disable(fn, reason="FSDP runtime hook"))
+
+
 def clean_fqn(name: str) -> str:
-    """A name with every FSDP wrapper level removed: the unwrapped model's name."""
-    return name.replace(FSDP_PREFIX, "")
+    """A name with every FSDP (and checkpoint-wrapper) level removed: the unwrapped model's name."""
+    return name.replace(FSDP_PREFIX, "").replace(CHECKPOINT_PREFIX, "")
 
 
 def apply_to_tensors(fn: Callable[[Tensor], Tensor], obj: Any) -> Any:

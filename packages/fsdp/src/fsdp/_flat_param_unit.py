@@ -34,7 +34,11 @@ all, laid out as in [Note: flat parameter views] of flatparam) over
 - ``_placeholders``: between uses the modules' parameter attributes hold
   ``meta`` tensors of the right shape and dtype: printing a model works, while
   computing with an ungathered parameter fails loudly instead of reading freed
-  memory. Use ``summon_full_params`` to see real values.
+  memory. Use ``summon_full_params`` to see real values. With
+  ``use_orig_params=True`` there are no placeholders: the modules keep the
+  original parameters, views of ``flat_param`` (``orig``, see [Note: original
+  parameter views] in ``_orig_params.py``), and the gathered views shadow them
+  only while the unit is unsharded.
 
 When nothing needs gathering or casting (``NO_SHARD`` or one rank, no mixed
 precision, no offload) the unit is *aliased*: ``_compute_param`` is
@@ -65,6 +69,7 @@ from enum import Enum, auto
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from flatparam import (
@@ -83,6 +88,7 @@ from fsdp._collectives import (
     gradient_divide_factors,
     reduce_scatter_into,
 )
+from fsdp._orig_params import OrigParams
 
 __all__ = ["FlatParamUnit", "PendingReduce", "ShardState", "UnitConfig"]
 
@@ -115,17 +121,33 @@ class UnitConfig:
     reduce_dtype: torch.dtype | None  # MixedPrecision.reduce_dtype
     keep_low_precision_grads: bool
     offload_params: bool  # CPUOffload.offload_params
+    # Hybrid sharding: the group of this rank's replicas (same shard in other shard groups);
+    # see [Note: hybrid gradient reduction] in _process_groups.py. None: no replication.
+    replicate_group: Any = None
+    replicate_size: int = 1
+    use_orig_params: bool = False  # keep the original parameters as views (OrigParams)
 
 
 @dataclass
 class PendingReduce:
-    """A gradient reduction in flight; :meth:`FlatParamUnit.finish_reduce_grad` completes it."""
+    """A gradient reduction in flight; :meth:`FlatParamUnit.finish_reduce_grad` completes it.
+
+    A hybrid-sharded unit reduces in two collectives: ``collective`` is the
+    reduce-scatter until :meth:`FlatParamUnit.start_replica_reduce` replaces
+    it by the all-reduce across replicas (``replicate_group`` is then None).
+    """
 
     unit: FlatParamUnit
     collective: PendingCollective
     output: Tensor  # 1D: the reduced gradient (sharded, or full for NO_SHARD), reduce dtype
     postdivide: float  # divide ``output`` by this after the collective (1.0: nothing)
     in_place: bool  # ``output`` is ``flat_param.grad`` itself (aliased NO_SHARD)
+    replicate_group: Any = None  # the all-reduce still to issue after ``collective``
+
+    @property
+    def has_next_stage(self) -> bool:
+        """Whether a collective across replicas still has to be issued."""
+        return self.replicate_group is not None
 
 
 class FlatParamUnit:
@@ -150,6 +172,8 @@ class FlatParamUnit:
     _pending_unshard: PendingCollective | None  # the all-gather while UNSHARDING
     _placeholders: list[Tensor]  # meta tensors, one per original parameter
     _divide: tuple[float, float]  # (pre, post) gradient division factors
+    orig: OrigParams | None  # the original parameters under use_orig_params, else None
+    _frozen: list[bool] | None  # per parameter, when a use_orig_params unit mixes frozen ones
 
     def __init__(
         self,
@@ -162,7 +186,17 @@ class FlatParamUnit:
             raise ValueError("FlatParamUnit needs one ParamInfo per parameter, at least one")
         self.config = config
         requires_grad = params[0].requires_grad
-        flat = FlatParameter(list(params), requires_grad=requires_grad)
+        self._frozen = None
+        if config.use_orig_params:
+            # Frozen and trainable parameters may share a unit: the flat parameter
+            # trains, the frozen ones' views are detached (no gradient flows to them).
+            frozen = [not p.requires_grad for p in params]
+            requires_grad = not all(frozen)
+            if any(frozen) and requires_grad:
+                self._frozen = frozen
+            flat = FlatParameter([p.detach() for p in params], requires_grad=requires_grad)
+        else:
+            flat = FlatParameter(list(params), requires_grad=requires_grad)
         flat._param_infos = list(infos)
         flat._shared_param_infos = list(shared_infos)
         self.orig_dtype = flat.dtype
@@ -183,19 +217,29 @@ class FlatParamUnit:
         self._placeholders = [
             torch.empty(p.shape, dtype=self.compute_dtype, device="meta") for p in params
         ]
-        # The modules no longer own the originals: from now on they see views or placeholders.
-        for info in infos:
-            info.module._parameters.pop(info.param_name, None)
-        for shared in shared_infos:
-            shared.module._parameters.pop(shared.param_name, None)
-        for p in params:
-            p._fsdp_replaced = True  # type: ignore[attr-defined]  # see _init.install_optimizer_check
+        self.orig = None
+        if config.use_orig_params:
+            # The modules keep the originals, now views of flat_param.
+            self.orig = OrigParams(
+                flat, params, infos, layout=self.layout, rank=rank, sharded=config.shard
+            )
+            for p in params:
+                p._fsdp_orig_param = True  # type: ignore[attr-defined]  # _init.collect_unit_params
+                p._fsdp_flattened = True  # type: ignore[attr-defined]  # wrap.py: not counted again
+        else:
+            # The modules no longer own the originals: from now on they see views or placeholders.
+            for info in infos:
+                info.module._parameters.pop(info.param_name, None)
+            for shared in shared_infos:
+                shared.module._parameters.pop(shared.param_name, None)
+            for p in params:
+                p._fsdp_replaced = True  # type: ignore[attr-defined]  # see _init.install_optimizer_check
         flat._fsdp_flattened = True  # type: ignore[attr-defined]  # wrap.py: not counted again
         self.aliased = (
             not config.shard and self.compute_dtype == self.orig_dtype and not config.offload_params
         )
         self._pending_unshard = None
-        self._divide = gradient_divide_factors(config.world_size)
+        self._divide = gradient_divide_factors(config.world_size * config.replicate_size)
         if self.aliased:
             self._padded_unsharded = None
             self._compute_param = flat
@@ -298,6 +342,8 @@ class FlatParamUnit:
         flat = self.flat_param
         data = None if self.aliased else self._compute_param
         views = list(flat.get_param_views(external_data=data))
+        if self._frozen is not None:
+            views = [v.detach() if f else v for v, f in zip(views, self._frozen, strict=True)]
         for info, view in zip(flat._param_infos, views, strict=True):
             info.module.__dict__[info.param_name] = view
         if flat._shared_param_infos:
@@ -310,6 +356,13 @@ class FlatParamUnit:
 
     def _use_placeholders(self) -> None:
         flat = self.flat_param
+        if self.orig is not None:
+            # Drop the gathered views: module.<name> is the original parameter again.
+            for info in flat._param_infos:
+                info.module.__dict__.pop(info.param_name, None)
+            for s in flat._shared_param_infos:
+                s.module.__dict__.pop(s.param_name, None)
+            return
         for info, ph in zip(flat._param_infos, self._placeholders, strict=True):
             info.module.__dict__[info.param_name] = ph
         if flat._shared_param_infos:
@@ -391,7 +444,22 @@ class FlatParamUnit:
             return PendingReduce(self, PendingCollective(None), output, 1.0, in_place=False)
         _div_(padded, pre)
         pending = reduce_scatter_into(output, padded, cfg.group)
-        return PendingReduce(self, pending, output, post, in_place=False)
+        return PendingReduce(self, pending, output, post, False, cfg.replicate_group)
+
+    def start_replica_reduce(self, reduce: PendingReduce) -> None:
+        """Hybrid sharding: wait for the reduce-scatter, issue the all-reduce across replicas.
+
+        Split from :meth:`reduce_grad` so that the reduce-scatter overlaps
+        computation before anyone waits for it (see [Note: reductions in
+        flight] in ``_root_context.py``); a no-op for other reductions.
+        """
+        if reduce.replicate_group is None:
+            return
+        reduce.collective.wait()
+        reduce.collective = all_reduce_inplace(
+            reduce.output, reduce.replicate_group, self.config.replicate_size
+        )
+        reduce.replicate_group = None
 
     def finish_reduce_grad(self, reduce: PendingReduce) -> None:
         """Wait for a reduction and accumulate its result into ``flat_param.grad``.
@@ -400,6 +468,7 @@ class FlatParamUnit:
         ``keep_low_precision_grads``), copied to the CPU under offload, and
         added to any gradient already there (gradient accumulation).
         """
+        self.start_replica_reduce(reduce)
         reduce.collective.wait()
         out = reduce.output
         _div_(out, reduce.postdivide)
@@ -439,6 +508,43 @@ class FlatParamUnit:
         all_gather_into(padded, flat.to(self.config.compute_device), self.config.group).wait()
         return unpad_flat(padded, self.layout)
 
+    def gather_full_grad(self) -> Tensor | None:
+        """A new 1D ``full_numel`` tensor of the full gradient, or ``None`` if there is none.
+
+        Collective (every rank takes part, also those without a gradient,
+        which contribute zeros). For ``summon_full_params(with_grads=True)``.
+        """
+        flat = self.flat_param
+        grad = flat.grad
+        has = torch.tensor([0 if grad is None else 1], device=self.config.compute_device)
+        if self.config.shard:
+            dist.all_reduce(has, op=dist.ReduceOp.MAX, group=self.config.group)
+        if not bool(has.item()):
+            return None
+        dtype = flat.dtype if grad is None else grad.dtype
+        local = grad if grad is not None else torch.zeros_like(flat, dtype=dtype)
+        if not self.config.shard:
+            return local.detach()
+        padded = torch.empty(
+            self.layout.padded_numel, dtype=dtype, device=self.config.compute_device
+        )
+        all_gather_into(
+            padded, local.detach().to(self.config.compute_device), self.config.group
+        ).wait()
+        return unpad_flat(padded, self.layout)
+
+    def write_back_grad(self, full_grad: Tensor) -> None:
+        """Copy this rank's chunk of ``full_grad`` (1D, ``full_numel``) into ``flat_param.grad``."""
+        flat = self.flat_param
+        if not self.config.shard:
+            local = full_grad
+        else:
+            local = shard_flat(full_grad, self.layout, self.config.rank)
+        if flat.grad is None:
+            flat.grad = local.detach().clone().to(flat.device)
+        elif local.data_ptr() != flat.grad.data_ptr():
+            flat.grad.copy_(local)
+
     def write_back(self, full: Tensor) -> None:
         """Copy this rank's chunk of ``full`` (1D, ``full_numel``) into ``flat_param``."""
         if not self.config.shard:
@@ -448,13 +554,23 @@ class FlatParamUnit:
         shard = shard_flat(full.to(self.flat_param.dtype), self.layout, self.config.rank)
         self.flat_param.data.copy_(shard)
 
-    def register_full_params(self, full: Tensor) -> list[nn.Parameter]:
+    def register_full_params(
+        self, full: Tensor, full_grad: Tensor | None = None, with_grads: bool = False
+    ) -> list[nn.Parameter]:
         """Register the original parameters on their modules as views of ``full``.
 
         Between this and :meth:`unregister_full_params` the modules look as
         before wrapping (``named_parameters`` lists the originals by name).
+        Under ``use_orig_params`` the original objects themselves take the
+        full views (``full_grad``: and their gradients, for ``with_grads``).
         """
         flat = self.flat_param
+        if self.orig is not None:
+            self._use_placeholders()  # drop any gathered views shadowing the originals
+            self.orig.use_full_data(full)
+            if full_grad is not None or with_grads:
+                self.orig.use_full_grads(full_grad)
+            return list(self.orig.params)
         params: list[nn.Parameter] = []
         for info, view in zip(
             flat._param_infos, flat.get_param_views(external_data=full), strict=True
@@ -474,6 +590,12 @@ class FlatParamUnit:
     def unregister_full_params(self) -> None:
         """Undo :meth:`register_full_params`: placeholders (or live views) again."""
         flat = self.flat_param
+        if self.orig is not None:
+            self.orig.use_local_data()
+            self.orig.use_local_grads()
+            if self.state is ShardState.UNSHARDED:
+                self.use_unsharded_views()
+            return
         for info in flat._param_infos:
             info.module._parameters.pop(info.param_name, None)
         for s in flat._shared_param_infos:

@@ -29,6 +29,11 @@ For a unit ``u`` with parameters (FULL_SHARD unless noted):
    reduction, free whatever is still gathered (unused or frozen units), and
    reset every instance to IDLE; ``.grad`` of each FlatParameter now holds the
    averaged sharded gradient.
+Under ``use_orig_params=True`` step 2 first takes in what the user changed on
+the original parameters (replaced ``.data``, ``.grad`` set to ``None`` by
+``zero_grad``), step 4 again for the gradients, and step 6 points the original
+parameters' ``.grad`` at the new sharded gradient (see [Note: original
+parameter views] in ``_orig_params.py``).
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from fsdp._common import (
     TrainingState,
     apply_to_tensors,
     cast_floating_tensors,
+    eager_only,
     move_tensors_to_device,
 )
 from fsdp._flat_param_unit import FlatParamUnit, ShardState
@@ -166,6 +172,12 @@ class FSDPState:
                     "was called on its own before the outer one's). Run forwards only through "
                     "the outermost FSDP instance, or wrap the outer model before using it."
                 )
+        kinds = {s.unit.orig is not None for s in states if s.unit is not None}
+        if len(kinds) > 1:
+            raise ValueError(
+                "the FSDP instances of this model mix use_orig_params=True and False; pass the "
+                "same use_orig_params to every instance (auto_wrap_policy does that for you)"
+            )
         self.is_root = True
         ctx = RootContext(states, RateLimiter(self.compute_device, self.limit_all_gathers))
         for s in states:
@@ -192,6 +204,7 @@ class FSDPState:
 
     # --- forward -----------------------------------------------------------------------------
 
+    @eager_only
     def root_pre_forward(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
         """Root-only work before any unit's forward (step 1 of [Note: one training step])."""
         self.lazy_init()
@@ -206,15 +219,34 @@ class FSDPState:
             args, kwargs = cast_floating_tensors(mp.param_dtype, args, kwargs)
         return args, kwargs
 
+    def is_recomputing(self) -> bool:
+        """Whether a forward now is activation checkpointing re-running this unit.
+
+        [Note: recomputation] A forward of a unit whose backward has started
+        (its pre-backward ran) can only be a checkpoint wrapper around the unit
+        recomputing it for that backward. The parameters are gathered already
+        and must stay gathered until the unit's post-backward, so the forward
+        hooks neither record, prefetch, hook outputs nor free. (With the
+        checkpoint's default early stop the recomputation usually ends before
+        the post-forward hook; without it, the hook runs.)
+        """
+        return self._ran_pre_backward and self.training_state is TrainingState.FORWARD_BACKWARD
+
+    @eager_only
     def pre_forward(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
         """Gather this unit's parameters for its forward (step 2)."""
         self.assert_state((TrainingState.IDLE, TrainingState.FORWARD_BACKWARD), "forward")
+        if self.is_recomputing():
+            return self._recompute_pre_forward(args, kwargs)
         ctx = self._context()
         self.training_state = TrainingState.FORWARD_BACKWARD
         if torch.is_grad_enabled():
             ctx.exec_order.record_pre_forward(self)
         unit = self.unit
         if unit is not None:
+            if unit.orig is not None:
+                unit.orig.sync_data()
+                unit.orig.sync_grads()
             if unit.state is ShardState.SHARDED:
                 ctx.limiter.throttle()
                 unit.unshard()
@@ -227,8 +259,24 @@ class FSDPState:
                 args, kwargs = cast_floating_tensors(mp.param_dtype, args, kwargs)
         return args, kwargs
 
+    def _recompute_pre_forward(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        """See [Note: recomputation]: fresh views of the still-gathered parameters."""
+        unit = self.unit
+        if unit is not None:
+            if unit.state is ShardState.SHARDED:  # never expected: gather again to be safe
+                unit.unshard()
+            unit.wait_for_unshard()
+            unit.use_unsharded_views()
+            mp = self.mixed_precision
+            if mp.cast_forward_inputs and mp.param_dtype is not None:
+                args, kwargs = cast_floating_tensors(mp.param_dtype, args, kwargs)
+        return args, kwargs
+
+    @eager_only
     def post_forward(self, output: Any) -> Any:
         """Free or keep the parameters, hook the outputs for backward (step 3)."""
+        if self.is_recomputing():
+            return output  # see [Note: recomputation]
         ctx = self._context()
         registered = False
         if torch.is_grad_enabled():
@@ -298,12 +346,17 @@ class FSDPState:
         unit = self.unit
         if unit is None:
             return
+        if unit.orig is not None:
+            unit.orig.sync_grads()  # zero_grad() between forward and backward
         ctx = self._context()
         if unit.state is ShardState.SHARDED:
             ctx.limiter.throttle()
             unit.unshard()
         unit.wait_for_unshard()
-        unit.use_unsharded_views()  # for modules re-run by activation checkpointing
+        # Views with autograd history, for modules re-run by activation checkpointing
+        # inside the unit (the engine runs this hook with gradients disabled).
+        with torch.enable_grad():
+            unit.use_unsharded_views()
         if self.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
             self._prefetch(ctx.exec_order.next_backward(self), backward=True)
 
@@ -342,6 +395,9 @@ class FSDPState:
         ctx.finish_reductions()
         self._reshard_all(keep_no_sync=True)
         for s in ctx.states:
+            if s.unit is not None and s.unit.orig is not None and s.sync_gradients:
+                s.unit.orig.sync_grads()  # units the backward did not reach
+                s.unit.orig.use_local_grads()
             s.training_state = TrainingState.IDLE
             s._ran_pre_backward = False
             s._expects_backward = False
@@ -370,7 +426,7 @@ class FSDPState:
 
 
 def _owned_buffers(fsdp_module: nn.Module) -> list[tuple[nn.Module, str, Tensor]]:
-    """Buffers in ``fsdp_module``'s subtree that no nested FSDP instance owns."""
+    """Buffers in ``fsdp_module``'s subtree that no nested FSDP instance owns nor ignores."""
     out: list[tuple[nn.Module, str, Tensor]] = []
     stack: list[nn.Module] = [fsdp_module]
     while stack:
@@ -379,6 +435,8 @@ def _owned_buffers(fsdp_module: nn.Module) -> list[tuple[nn.Module, str, Tensor]
             if buf is not None:
                 out.append((m, name, buf))
         for child in m._modules.values():
-            if child is not None and get_fsdp_state(child) is None:
+            # Ignored modules (see _ignored.py) keep their buffers' dtype.
+            ignored = child is not None and child.__dict__.get("_fsdp_ignored", False)
+            if child is not None and get_fsdp_state(child) is None and not ignored:
                 stack.append(child)
     return out

@@ -17,85 +17,21 @@ import torch.distributed as dist
 from torch import nn
 
 from flatparam import ParamInfo, SharedParamInfo
+from fsdp._common import clean_fqn
+from fsdp._deferred_init import IGNORED, broadcast_module_states
 from fsdp._flat_param_unit import FlatParamUnit, UnitConfig
+from fsdp._process_groups import ProcessGroups
 from fsdp.api import CPUOffload, MixedPrecision, ShardingStrategy
 
 __all__ = [
+    "SharedParameterError",
     "build_unit",
-    "check_unimplemented",
     "collect_unit_params",
     "install_optimizer_check",
     "resolve_compute_device",
-    "resolve_process_group",
 ]
 
 _MANAGED = "_fsdp_managed"  # set on every module whose parameters a unit took
-
-
-def check_unimplemented(
-    *,
-    sharding_strategy: ShardingStrategy,
-    process_group: object,
-    use_orig_params: bool,
-    param_init_fn: object,
-    sync_module_states: bool,
-    ignored_modules: object,
-    ignored_states: object,
-    device_mesh: object,
-) -> None:
-    """Refuse, by name, the constructor features that later fsdp issues add.
-
-    Each would otherwise change what a unit holds; ignoring one silently would
-    train a different model than the user asked for.
-    """
-    todo = (
-        "is not implemented yet (fsdp issue 3: original parameters, hybrid sharding, deferred init)"
-    )
-    if use_orig_params:
-        raise NotImplementedError(f"use_orig_params=True {todo}; use use_orig_params=False")
-    if sharding_strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2):
-        raise NotImplementedError(
-            f"sharding_strategy={sharding_strategy} (hybrid sharding) {todo}; use FULL_SHARD "
-            "or SHARD_GRAD_OP"
-        )
-    if isinstance(process_group, tuple):
-        raise NotImplementedError(
-            f"a (shard, replicate) process_group pair (hybrid sharding) {todo}; pass one group"
-        )
-    if device_mesh is not None:
-        raise NotImplementedError(f"device_mesh= {todo}; pass process_group= instead")
-    if param_init_fn is not None:
-        raise NotImplementedError(
-            f"param_init_fn= (meta-device deferred initialisation) {todo}; build the module "
-            "on a real device first"
-        )
-    if sync_module_states:
-        raise NotImplementedError(
-            f"sync_module_states=True {todo}; broadcast the parameters before wrapping "
-            "(e.g. dist.broadcast(p.data, src=0) for each parameter)"
-        )
-    if ignored_modules is not None:
-        raise NotImplementedError(f"ignored_modules= {todo}")
-    if ignored_states is not None:
-        raise NotImplementedError(f"ignored_states= {todo}")
-
-
-def resolve_process_group(process_group: Any) -> tuple[Any, int, int]:
-    """``(group, rank in group, world size)``; the default group when ``None``."""
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(
-            "FullyShardedDataParallel needs torch.distributed initialised: call "
-            "torch.distributed.init_process_group(backend) first (gloo on CPU, nccl on GPU), "
-            "even for a single process (world_size=1)"
-        )
-    group = process_group if process_group is not None else dist.group.WORLD
-    rank = dist.get_rank(group)
-    if rank < 0:
-        raise ValueError(
-            "this process is not a member of the process_group passed to FullyShardedDataParallel; "
-            "every rank that wraps the model must belong to the group"
-        )
-    return group, rank, dist.get_world_size(group)
 
 
 def resolve_compute_device(
@@ -121,12 +57,10 @@ def resolve_compute_device(
             return torch.device("cuda", torch.cuda.current_device())
         return device_id
     tensors = [*params, *buffers]
-    meta = [t for t in tensors if t.is_meta]
-    if meta:
-        raise NotImplementedError(
-            "the module has parameters or buffers on the meta device; deferred initialisation "
-            "is not implemented yet (fsdp issue 3). Materialise it first, e.g. "
-            "module.to_empty(device=...) followed by its reset_parameters()"
+    if any(t.is_meta for t in tensors):  # materialize_unit ran before: a module hid them
+        raise ValueError(
+            "the module still has parameters or buffers on the meta device after deferred "
+            "initialisation; materialise them in param_init_fn or reset_parameters()"
         )
     devices = {t.device for t in tensors}
     if len(devices) > 1:
@@ -141,14 +75,17 @@ def resolve_compute_device(
 
 
 def collect_unit_params(
-    module: nn.Module, is_fsdp: Callable[[nn.Module], bool]
+    module: nn.Module,
+    is_fsdp: Callable[[nn.Module], bool],
+    ignored_params: frozenset[nn.Parameter] = frozenset(),
 ) -> tuple[list[ParamInfo], list[nn.Parameter], list[SharedParamInfo], list[nn.Module]]:
     """The parameters a unit wrapping ``module`` takes, in module order.
 
     Walks ``module``'s tree without entering nested FSDP instances (they
-    manage their own). A parameter reachable under several names (tied
-    weights) is taken once; its other names become :class:`SharedParamInfo`.
-    Returns ``(infos, params, shared_infos, modules visited)``.
+    manage their own) or ignored modules, and skips ignored parameters. A
+    parameter reachable under several names (tied weights) is taken once; its
+    other names become :class:`SharedParamInfo`. Returns ``(infos, params,
+    shared_infos, modules visited)``.
     """
     infos: list[ParamInfo] = []
     params: list[nn.Parameter] = []
@@ -156,7 +93,12 @@ def collect_unit_params(
     visited: list[nn.Module] = []
     first: dict[int, tuple[str, nn.Module, str]] = {}  # id(param) -> (module name, module, name)
 
-    def visit(prefix: str, mod: nn.Module) -> None:
+    # Pre-order, children in registration order; a loop, not a recursive closure, which would
+    # be a reference cycle keeping ``params`` (the unsharded originals) alive until the next
+    # garbage collection.
+    stack: list[tuple[str, nn.Module]] = [("", module)]
+    while stack:
+        prefix, mod = stack.pop()
         if mod.__dict__.get(_MANAGED):
             raise ValueError(
                 f"module {prefix.rstrip('.') or type(mod).__name__!r} ({type(mod).__name__}) "
@@ -166,16 +108,10 @@ def collect_unit_params(
         visited.append(mod)
         mod_name = prefix[:-1]
         for name, p in mod._parameters.items():
-            if p is None:
+            if p is None or p in ignored_params:
                 continue
-            fqn = prefix + name
-            if getattr(p, "_fsdp_replaced", False):
-                raise ValueError(
-                    f"parameter {fqn!r} is already flattened into another FSDP unit: it is shared "
-                    "between modules that ended up in different units. Wrap all modules that "
-                    "share a parameter in one unit (e.g. tie weights inside one wrapped block, "
-                    "or leave the tied modules to the root unit)."
-                )
+            if getattr(p, "_fsdp_replaced", False) or getattr(p, "_fsdp_orig_param", False):
+                raise SharedParameterError(mod, name, p, module)
             if id(p) in first:
                 pm_name, pm, pn = first[id(p)]
                 shared.append(SharedParamInfo(mod_name, pm_name, mod, name, pm, pn))
@@ -183,26 +119,79 @@ def collect_unit_params(
             first[id(p)] = (mod_name, mod, name)
             infos.append(ParamInfo(mod_name, mod, name))
             params.append(p)
-        for cname, child in mod._modules.items():
-            if child is not None and not is_fsdp(child):
-                visit(prefix + cname + ".", child)
-
-    visit("", module)
+        children = [
+            (prefix + cname + ".", child)
+            for cname, child in mod._modules.items()
+            if child is not None and not is_fsdp(child) and not child.__dict__.get(IGNORED)
+        ]
+        stack.extend(reversed(children))
     return infos, params, shared, visited
 
 
+_OWNER = "_fsdp_owner"  # on each flattened original: (weakref to its unit's wrapped module, name)
+
+
+class SharedParameterError(ValueError):
+    """A parameter shared between modules that ended up in different units.
+
+    Raised while building the inner unit that meets the parameter second,
+    where only that unit's subtree is known; the constructor that ran the
+    auto-wrap re-raises it with both modules named by their paths in the
+    whole model (:meth:`in_model`).
+    """
+
+    def __init__(self, holder: nn.Module, param_name: str, param: nn.Parameter, root: nn.Module):
+        self.holder = holder
+        self.param_name = param_name
+        owner = param.__dict__.get(_OWNER)
+        self.owner_module: nn.Module | None = owner[0]() if owner is not None else None
+        self.owner_fqn: str = owner[1] if owner is not None else "?"
+        super().__init__(self._message(root))
+
+    def in_model(self, root: nn.Module) -> SharedParameterError:
+        """The same error, its message naming the modules by their paths under ``root``."""
+        self.args = (self._message(root),)
+        return self
+
+    def _message(self, root: nn.Module) -> str:
+        names = {id(m): clean_fqn(n + ".").rstrip(".") for n, m in root.named_modules()}
+        holder = names.get(id(self.holder), f"a {type(self.holder).__name__}")
+        fqn = f"{holder}.{self.param_name}" if holder else self.param_name
+        owner_type = type(self.owner_module).__name__
+        unit_path = names.get(id(self.owner_module))
+        if unit_path is None:
+            unit, owner_fqn = f"another FSDP unit (wrapping a {owner_type})", self.owner_fqn
+        else:
+            unit = f"the FSDP unit {unit_path or '<root>'!r} ({owner_type})"
+            owner_fqn = f"{unit_path}.{self.owner_fqn}" if unit_path else self.owner_fqn
+        return (
+            f"parameter {fqn!r} ({type(self.holder).__name__}) is the same tensor as "
+            f"{owner_fqn!r}, which {unit} already flattened: a parameter shared between "
+            "modules must be managed by one FSDP unit, else each unit would train its own "
+            "copy. Wrap both modules in one unit: keep that unit out of the auto_wrap_policy "
+            "so that a unit holding both modules takes the parameter, or wrap a common parent "
+            "of the two modules"
+        )
+
+
 def owned_buffers(module: nn.Module, is_fsdp: Callable[[nn.Module], bool]) -> list[torch.Tensor]:
-    """Buffers in ``module``'s tree outside nested FSDP instances."""
+    """Buffers in ``module``'s tree outside nested FSDP instances and ignored modules."""
     out: list[torch.Tensor] = []
     stack = [module]
     while stack:
         m = stack.pop()
         out.extend(b for b in m._buffers.values() if b is not None)
-        stack.extend(c for c in m._modules.values() if c is not None and not is_fsdp(c))
+        stack.extend(
+            c
+            for c in m._modules.values()
+            if c is not None and not is_fsdp(c) and not c.__dict__.get(IGNORED)
+        )
     return out
 
 
-def _check_uniform(infos: list[ParamInfo], params: list[nn.Parameter]) -> None:
+def _check_uniform(
+    infos: list[ParamInfo], params: list[nn.Parameter], use_orig_params: bool = False
+) -> None:
     names = [f"{i.module_name}.{i.param_name}" if i.module_name else i.param_name for i in infos]
     dtypes: dict[torch.dtype, list[str]] = {}
     for n, p in zip(names, params, strict=True):
@@ -215,6 +204,8 @@ def _check_uniform(infos: list[ParamInfo], params: list[nn.Parameter]) -> None:
             "wrap the differing submodule in its own FSDP unit; for low-precision compute use "
             "mixed_precision=MixedPrecision(param_dtype=...)"
         )
+    if use_orig_params:
+        return  # frozen and trainable parameters may share a unit (see FlatParamUnit)
     grads: dict[bool, list[str]] = {}
     for n, p in zip(names, params, strict=True):
         grads.setdefault(p.requires_grad, []).append(n)
@@ -222,55 +213,85 @@ def _check_uniform(infos: list[ParamInfo], params: list[nn.Parameter]) -> None:
         raise ValueError(
             "with use_orig_params=False an FSDP unit's parameters must be all trainable or all "
             f"frozen, but requires_grad=True for {', '.join(grads[True][:6])} and False for "
-            f"{', '.join(grads[False][:6])}. Wrap the frozen submodules in their own units."
+            f"{', '.join(grads[False][:6])}. Wrap the frozen submodules in their own units, or "
+            "pass use_orig_params=True (which allows the mix)."
         )
 
 
 def build_unit(
     collected: tuple[list[ParamInfo], list[nn.Parameter], list[SharedParamInfo], list[nn.Module]],
     *,
-    group: Any,
-    rank: int,
-    world_size: int,
+    groups: ProcessGroups,
     strategy: ShardingStrategy,
     compute_device: torch.device,
     mixed_precision: MixedPrecision,
     cpu_offload: CPUOffload,
+    sync_module_states: bool = False,
+    use_orig_params: bool = False,
 ) -> FlatParamUnit | None:
     """Flatten and shard the parameters :func:`collect_unit_params` found; ``None`` if none.
 
     Moves the owned parameters and buffers to the compute device first (the
-    parameters stay on the CPU under ``CPUOffload(offload_params=True)``).
+    parameters stay on the CPU under ``CPUOffload(offload_params=True)``),
+    where ``sync_module_states`` broadcasts the first rank's values (the
+    backend's device is the compute device). ``strategy`` is the effective
+    one: ``NO_SHARD`` when there is one rank to shard over, in which case
+    gradients are all-reduced over the replicate group if hybrid sharding gave
+    one (else over the one-rank group).
     """
     infos, params, shared, visited = collected
+    buffers: list[torch.Tensor] = []
     for buf_owner in visited:
         for name, buf in buf_owner._buffers.items():
             if buf is not None and buf.device != compute_device:
                 buf_owner._buffers[name] = buf.to(compute_device)
+        buffers += [b for b in buf_owner._buffers.values() if b is not None]
     for m in visited:
         m.__dict__[_MANAGED] = True
-    if not params:
-        return None
-    _check_uniform(infos, params)
     target = torch.device("cpu") if cpu_offload.offload_params else compute_device
     with torch.no_grad():
         for p in params:
-            if p.device != target:
-                p.data = p.data.to(target)
-    shard = strategy is not ShardingStrategy.NO_SHARD and world_size > 1
+            device = compute_device if sync_module_states else target
+            if p.device != device:
+                p.data = p.data.to(device)
+        if sync_module_states:
+            broadcast_module_states(params, buffers, groups)
+            for p in params:
+                if p.device != target:
+                    p.data = p.data.to(target)
+    if not params:
+        return None
+    _check_uniform(infos, params, use_orig_params)
+    shard = strategy is not ShardingStrategy.NO_SHARD and groups.shard_size > 1
+    group, rank, world_size = groups.shard_group, groups.shard_rank, groups.shard_size
+    replicate_group, replicate_size = groups.replicate_group, groups.replicate_size
+    if not shard and replicate_size > 1:  # hybrid over one-rank shard groups: plain DDP
+        group, rank, world_size = replicate_group, dist.get_rank(replicate_group), replicate_size
+        replicate_group, replicate_size = None, 1
     config = UnitConfig(
         group=group,
         rank=rank,
         world_size=world_size,
         shard=shard,
-        reshard_after_forward=shard and strategy is ShardingStrategy.FULL_SHARD,
+        reshard_after_forward=shard and strategy in _RESHARD_AFTER_FORWARD,
         compute_device=compute_device,
         param_dtype=mixed_precision.param_dtype,
         reduce_dtype=mixed_precision.reduce_dtype,
         keep_low_precision_grads=mixed_precision.keep_low_precision_grads,
         offload_params=cpu_offload.offload_params,
+        replicate_group=replicate_group if replicate_size > 1 else None,
+        replicate_size=replicate_size,
+        use_orig_params=use_orig_params,
     )
-    return FlatParamUnit(infos, params, shared, config)
+    unit = FlatParamUnit(infos, params, shared, config)
+    owner = weakref.ref(visited[0])
+    for info, p in zip(infos, params, strict=True):
+        name = f"{info.module_name}.{info.param_name}" if info.module_name else info.param_name
+        p.__dict__[_OWNER] = (owner, name)
+    return unit
+
+
+_RESHARD_AFTER_FORWARD = (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
 
 
 # --- "optimizer created before wrapping" ------------------------------------------------------

@@ -24,6 +24,14 @@ full gradient alive until it completes, so the queue is bounded: issuing a
 reduction first completes (waits for and accumulates) the ones beyond
 ``max_reductions_in_flight``; the root's end-of-backward callback completes the
 rest before ``backward()`` returns, so ``.grad`` is final when the user sees it.
+
+A hybrid-sharded unit's reduction has a second collective, the all-reduce
+across replicas, which needs the reduce-scatter's output. Issuing a new
+reduction first moves every earlier one that still has that stage on to it
+(waiting for its reduce-scatter, which has had a unit's backward to finish,
+and issuing its all-reduce) instead of completing it, so the all-reduce in
+turn overlaps the next unit's backward; such a reduction holds only its
+sharded gradient, so it does not count towards the bound.
 """
 
 from __future__ import annotations
@@ -87,8 +95,13 @@ class RootContext:
 
         See [Note: reductions in flight].
         """
+        staged = 0
+        for r in self._reductions:
+            if r.has_next_stage:
+                r.unit.start_replica_reduce(r)
+                staged += 1
         self._reductions.append(reduce)
-        while len(self._reductions) > self.max_reductions_in_flight:
+        while len(self._reductions) > self.max_reductions_in_flight + staged:
             oldest = self._reductions.popleft()
             oldest.unit.finish_reduce_grad(oldest)
 

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp._common import FSDP_PREFIX, TrainingState, clean_fqn
+from fsdp._common import FLAT_PARAM, FSDP_PREFIX, TrainingState, clean_fqn
 from fsdp._fsdp_state import FSDPState, get_fsdp_state
 from fsdp._summon import summon_unit
 from fsdp.api import StateDictType
@@ -90,9 +90,31 @@ def _exit(state: FSDPState) -> None:
         stack.close()
 
 
+def _expose_flat_param(module: nn.Module) -> None:
+    """Under ``use_orig_params``, show ckpt the FlatParameter instead of the originals.
+
+    ckpt's state-dict types read and write ``<prefix>_flat_param``, as with
+    ``use_orig_params=False``; the original parameters (views of the same
+    shard) see whatever is loaded into it.
+    """
+    unit = _state(module).unit
+    if unit is not None and unit.orig is not None and FLAT_PARAM not in module._parameters:
+        unit.orig.deregister(unit.flat_param._shared_param_infos)
+        module._parameters[FLAT_PARAM] = unit.flat_param
+
+
+def _hide_flat_param(module: nn.Module) -> None:
+    """Undo :func:`_expose_flat_param`."""
+    unit = _state(module).unit
+    if unit is not None and unit.orig is not None and FLAT_PARAM in module._parameters:
+        del module._parameters[FLAT_PARAM]
+        unit.orig.register(unit.flat_param._shared_param_infos)
+
+
 def _pre_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
     custom = _custom(module)
     if custom is not None:
+        _expose_flat_param(module)
         custom.pre_state_dict(module, prefix)
         return
     _enter(_state(module), writeback=False)
@@ -103,7 +125,10 @@ def _post_state_dict(
 ) -> None:
     custom = _custom(module)
     if custom is not None:
-        custom.post_state_dict(module, state_dict, prefix)
+        try:
+            custom.post_state_dict(module, state_dict, prefix)
+        finally:
+            _hide_flat_param(module)
         return
     state = _state(module)
     try:
@@ -159,6 +184,7 @@ def _pre_load_state_dict(  # noqa: PLR0917 (nn.Module's hook signature)
 ) -> None:
     custom = _custom(module)
     if custom is not None:
+        _expose_flat_param(module)
         custom.pre_load_state_dict(module, state_dict, prefix, missing_keys, error_msgs)
         return
     _enter(_state(module), writeback=True)
@@ -168,6 +194,7 @@ def _pre_load_state_dict(  # noqa: PLR0917 (nn.Module's hook signature)
 
 
 def _post_load_state_dict(module: nn.Module, incompatible_keys: Any) -> None:
+    _hide_flat_param(module)
     _exit(_state(module))
     for keys in (incompatible_keys.missing_keys, incompatible_keys.unexpected_keys):
         keys[:] = [clean_fqn(k) for k in keys]

@@ -13,6 +13,10 @@ everything is undone. For an unsharded unit the views alias the FlatParameter
 itself, so changes persist even without ``writeback`` (documented behaviour).
 Any gathered compute copy the unit still held from a forward is freed on exit,
 since it may now be stale; the next forward or backward gathers again.
+Under ``use_orig_params=True`` nothing is registered or unregistered: the
+original parameters themselves point at the full views inside (and, with
+``with_grads``, their ``.grad`` at the gathered full gradient), and at their
+local pieces again on exit (see [Note: original parameter views]).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ def summon_unit(
     writeback: bool,
     rank0_only: bool,
     offload_to_cpu: bool,
+    with_grads: bool = False,
 ) -> Generator[None, None, None]:
     """Summon one FSDP instance's parameters (see [Note: summoned parameters])."""
     state.assert_state(TrainingState.IDLE, "summon_full_params")
@@ -46,23 +51,30 @@ def summon_unit(
             return
         if unit.state is ShardState.UNSHARDING:
             unit.wait_for_unshard()
+        if unit.orig is not None:
+            unit.orig.sync_data()  # the shard must hold what the user last wrote
+            unit.orig.sync_grads()
         full = unit.gather_full_precision()  # a collective: every rank takes part
+        full_grad = unit.gather_full_grad() if with_grads else None  # also a collective
         if rank0_only and unit.config.rank != 0:
-            del full
+            del full, full_grad
             yield
             return
         if offload_to_cpu and unit.config.shard:
             full = full.cpu()
         fsdp_module = state.module
-        fsdp_module._parameters.pop(FLAT_PARAM, None)
-        unit.register_full_params(full)
+        registered_flat = fsdp_module._parameters.pop(FLAT_PARAM, None) is not None
+        unit.register_full_params(full, full_grad, with_grads)
         try:
             yield
         finally:
             if writeback:
                 unit.write_back(full)
+                if full_grad is not None:
+                    unit.write_back_grad(full_grad)
             unit.unregister_full_params()
-            fsdp_module._parameters[FLAT_PARAM] = unit.flat_param
+            if registered_flat:
+                fsdp_module._parameters[FLAT_PARAM] = unit.flat_param
             if unit.state is not ShardState.SHARDED and not unit.aliased:
                 unit.reshard()
     finally:
@@ -94,21 +106,29 @@ def summon_full_params(  # noqa: PLR0917 (torch's FSDP signature)
     with_grads: bool,
 ) -> Generator[None, None, None]:
     """The body of ``FullyShardedDataParallel.summon_full_params`` (see there)."""
+    states = _states_in_scope(module, recurse)
     if with_grads:
-        raise NotImplementedError(
-            "summon_full_params(with_grads=True) needs use_orig_params=True, which is not "
-            "implemented yet (fsdp issue 3)"
-        )
+        plain = [s for s in states if s.unit is not None and s.unit.orig is None]
+        if plain:
+            raise NotImplementedError(
+                "summon_full_params(with_grads=True) needs use_orig_params=True (the gradients "
+                "are shown on the original parameters), but this model was wrapped with "
+                "use_orig_params=False; wrap it with use_orig_params=True"
+            )
+        if offload_to_cpu:
+            raise NotImplementedError(
+                "summon_full_params(with_grads=True, offload_to_cpu=True) is not supported "
+                "(as in torch's FSDP); pass offload_to_cpu=False"
+            )
     if rank0_only and writeback:
         raise ValueError(
             "summon_full_params(rank0_only=True, writeback=True) is not supported: only rank 0 "
             "would hold full parameters, so writes could not be made consistent across ranks. "
             "Pass writeback=False."
         )
-    states = _states_in_scope(module, recurse)
     for s in states:
         s.assert_state(TrainingState.IDLE, "summon_full_params")
     with contextlib.ExitStack() as stack:
         for s in states:
-            stack.enter_context(summon_unit(s, writeback, rank0_only, offload_to_cpu))
+            stack.enter_context(summon_unit(s, writeback, rank0_only, offload_to_cpu, with_grads))
         yield

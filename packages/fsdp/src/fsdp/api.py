@@ -51,8 +51,11 @@ class ShardingStrategy(Enum):
     - ``NO_SHARD``: nothing is sharded; gradients are all-reduced as in
       ``DistributedDataParallel``.
     - ``HYBRID_SHARD`` / ``_HYBRID_SHARD_ZERO2``: ``FULL_SHARD`` /
-      ``SHARD_GRAD_OP`` inside a group of ranks and replication across groups.
-      Not implemented yet (fsdp issue 3); the constructor raises.
+      ``SHARD_GRAD_OP`` inside a shard group of ranks (typically a node) and
+      replication across shard groups: gradients are reduce-scattered inside
+      the shard group, then all-reduced across the replicas, averaged over all
+      ranks as in DDP. Parameter traffic stays inside the (fast) shard group;
+      only ``1/shard_size`` of the gradient bytes cross groups.
     """
 
     FULL_SHARD = auto()

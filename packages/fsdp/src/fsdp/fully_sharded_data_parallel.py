@@ -20,8 +20,11 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 )
 
 from fsdp import _grad_norm, _init
-from fsdp._common import FLAT_PARAM, FSDP_PREFIX, FSDP_WRAPPED_MODULE, TrainingState
+from fsdp._common import FLAT_PARAM, FSDP_WRAPPED_MODULE, TrainingState, clean_fqn
+from fsdp._deferred_init import has_meta_states, materialize_unit, modules_to_materialize
 from fsdp._fsdp_state import FSDPState, get_fsdp_state
+from fsdp._ignored import resolve_ignored
+from fsdp._process_groups import HYBRID_STRATEGIES, resolve_process_groups
 from fsdp._state_dict import ckpt_module, register_state_dict_hooks
 from fsdp._summon import summon_full_params as _summon_full_params
 from fsdp._summon import summon_unit
@@ -46,8 +49,8 @@ __all__ = ["FullyShardedDataParallel"]
 class FullyShardedDataParallel(nn.Module):
     """Shard a module's parameters, gradients and optimizer state across ranks.
 
-    A drop-in for ``torch.distributed.fsdp.FullyShardedDataParallel`` (FSDP1)
-    with ``use_orig_params=False``: the wrapped module's parameters (those not
+    A drop-in for ``torch.distributed.fsdp.FullyShardedDataParallel`` (FSDP1).
+    With ``use_orig_params=False`` (the default) the wrapped module's parameters (those not
     inside nested FSDP instances) are flattened into one ``FlatParameter`` per
     instance ("unit") and each rank keeps ``1/world_size`` of it. A unit's full
     parameters are all-gathered just before its forward and its backward and
@@ -74,7 +77,9 @@ class FullyShardedDataParallel(nn.Module):
     Args:
         module: the module to wrap. Must not already be an FSDP instance.
         process_group: the group to shard over; ``None`` is the default group.
-            (A ``(shard, replicate)`` pair for hybrid sharding: not yet.)
+            For hybrid sharding, a pair ``(shard_group, replicate_group)``, or
+            ``None`` to shard inside each node and replicate across nodes (the
+            node size comes from the launcher's ``LOCAL_WORLD_SIZE``).
         sharding_strategy: :class:`ShardingStrategy`; ``None`` is
             ``FULL_SHARD``. At world size 1 every strategy behaves as
             ``NO_SHARD`` (nothing to communicate).
@@ -88,27 +93,64 @@ class FullyShardedDataParallel(nn.Module):
             single unit gathers the whole model at once.
         backward_prefetch: :class:`BackwardPrefetch` or ``None``.
         mixed_precision: :class:`MixedPrecision`.
-        ignored_modules: not implemented yet (fsdp issue 3); must be ``None``.
-        param_init_fn: not implemented yet (meta-device init, fsdp issue 3).
-        device_id: the compute device (an int is a CUDA index). Default: the
+        ignored_modules: modules whose subtrees (parameters and buffers) this
+            instance and the units it auto-wraps leave alone: not sharded, not
+            moved, gradients not reduced (each rank keeps its own). Not FSDP
+            instances. Prefer ``ignored_states``; pass only one of the two.
+        param_init_fn: for a module built on the ``meta`` device: called on
+            each module of a unit (breadth-first, skipping nested units and
+            ignored modules) just before the unit is flattened and sharded; it
+            must give the module's own parameters and buffers real storage
+            (e.g. ``m.to_empty(device=d, recurse=False)`` then initialise).
+            Without it, each module with meta states is ``to_empty``-ed onto
+            the compute device and its ``reset_parameters()`` is called. Either
+            way only one unit's unsharded parameters exist at a time, so a
+            model larger than one rank's memory can be built. Parameters tied
+            on the meta device stay tied.
+        device_id: the compute device (an int is a CUDA index), where meta
+            modules are materialised and the module is moved. Default: the
             module's device, or the current CUDA device for a CPU module when
             CUDA is available.
-        sync_module_states: not implemented yet (fsdp issue 3); must be False.
+        sync_module_states: broadcast the first rank's parameters and buffers
+            of each unit before sharding it, so that every rank starts from the
+            same model (e.g. only rank 0 loaded a checkpoint, or ranks seeded
+            differently). Under hybrid sharding across the replicate group
+            first, then inside the shard group. Works on CPU (gloo) too.
         forward_prefetch: gather the next unit (in the first iteration's
             forward order) before the current unit's forward computation.
             For static graphs; helps CPU-bound runs.
         limit_all_gathers: bound the gathered units in flight to two on
             devices where the CPU runs ahead (CUDA); see [Note: rate limiter].
-        use_orig_params: must be ``False`` for now (fsdp issue 3).
-        ignored_states: not implemented yet (fsdp issue 3).
-        device_mesh: not implemented yet (fsdp issue 3).
+        use_orig_params: keep the original ``nn.Parameter`` objects, names
+            and ``requires_grad`` flags (see ``_orig_params.py``):
+            ``named_parameters()`` yields them under the unwrapped model's
+            names (unlike FSDP1, without ``_fsdp_wrapped_module.`` prefixes),
+            each a 1-D view of this rank's piece of the shard (possibly
+            empty; full-shaped for ``NO_SHARD``/one rank), and after backward
+            their ``.grad`` are views of the sharded gradient (``None`` for
+            frozen or empty ones). So an optimizer may use per-parameter
+            groups, units may mix frozen and trainable parameters, and an
+            optimizer created before wrapping keeps working. Needed for
+            ``torch.compile`` (the FSDP hooks run eagerly between compiled
+            regions) and for ``summon_full_params(with_grads=True)``.
+        ignored_states: parameters, or modules, to ignore (see
+            ``ignored_modules``); all of one kind.
+        device_mesh: a ``DeviceMesh`` instead of ``process_group``: 1-D for
+            ``FULL_SHARD``/``SHARD_GRAD_OP``/``NO_SHARD`` (shard over its
+            group), 2-D with dimensions ``(replicate, shard)`` for hybrid
+            sharding, as torch's FSDP.
     """
 
     _fsdp_state: FSDPState  # run-time hooks and training state
     _fsdp_wrapped_module: nn.Module
     process_group: Any  # dist.ProcessGroup the units are sharded over
+    _inter_node_pg: Any  # hybrid sharding: the replicate group (torch's name); else None
+    device_mesh: Any  # the DeviceMesh passed in, if any
+    _device_mesh: Any  # the DeviceMesh the groups came from (passed in or built), if any
+    _ignored_modules: set[nn.Module]  # every module of the ignored subtrees
+    _ignored_params: set[nn.Parameter]  # parameters left unsharded and unreduced
     rank: int  # this rank in process_group
-    world_size: int
+    world_size: int  # ranks in process_group (the shard group under hybrid sharding)
     sharding_strategy: ShardingStrategy  # NO_SHARD when world_size == 1
     cpu_offload: CPUOffload
     mixed_precision: MixedPrecision
@@ -166,17 +208,12 @@ class FullyShardedDataParallel(nn.Module):
             raise TypeError(
                 f"backward_prefetch must be a BackwardPrefetch or None, got {backward_prefetch!r}"
             )
-        _init.check_unimplemented(
-            sharding_strategy=strategy,
-            process_group=process_group,
-            use_orig_params=use_orig_params,
-            param_init_fn=param_init_fn,
-            sync_module_states=sync_module_states,
-            ignored_modules=ignored_modules,
-            ignored_states=ignored_states,
-            device_mesh=device_mesh,
-        )
-        group, rank, world_size = _init.resolve_process_group(process_group)
+        if param_init_fn is not None and not callable(param_init_fn):
+            raise TypeError(
+                f"param_init_fn must be a callable (module) -> None, got {param_init_fn!r}"
+            )
+        ignored = resolve_ignored(module, ignored_modules, ignored_states, _is_fsdp)
+        groups = resolve_process_groups(process_group, device_mesh, strategy)
         _init.install_optimizer_check()
 
         if auto_wrap_policy is not None:
@@ -186,35 +223,58 @@ class FullyShardedDataParallel(nn.Module):
                 "cpu_offload": cpu_offload,
                 "backward_prefetch": backward_prefetch,
                 "mixed_precision": mixed_precision,
+                "param_init_fn": param_init_fn,
                 "device_id": device_id,
+                "sync_module_states": sync_module_states,
                 "forward_prefetch": forward_prefetch,
                 "limit_all_gathers": limit_all_gathers,
+                "ignored_states": ignored.for_children,
+                "device_mesh": device_mesh,
+                "use_orig_params": use_orig_params,
             }
-            _auto_wrap(
-                module,
-                auto_wrap_policy,
-                root_kwargs=root_kwargs,
-                wrapper_cls=FullyShardedDataParallel,
-                is_wrapped=_is_fsdp,
-            )
+            if strategy in HYBRID_STRATEGIES and device_mesh is None:
+                # Every unit shares the root's groups (also those built automatically).
+                root_kwargs["process_group"] = (groups.shard_group, groups.replicate_group)
+            try:
+                _auto_wrap(
+                    module,
+                    auto_wrap_policy,
+                    root_kwargs=root_kwargs,
+                    wrapper_cls=FullyShardedDataParallel,
+                    is_wrapped=_is_fsdp,
+                    ignored_modules=ignored.modules,
+                    ignored_params=ignored.params,
+                )
+            except _init.SharedParameterError as e:
+                raise e.in_model(module) from None
 
-        collected = _init.collect_unit_params(module, _is_fsdp)
+        # Deferred initialisation: this unit's own modules, now that inner units are built.
+        own_modules = modules_to_materialize(module, _is_fsdp)
+        if has_meta_states(own_modules, ignored.params):
+            materialize_unit(
+                module,
+                own_modules,
+                param_init_fn=param_init_fn,
+                device=_init.resolve_compute_device([], [], device_id),
+            )
+        collected = _init.collect_unit_params(module, _is_fsdp, ignored.params)
         buffers = _init.owned_buffers(module, _is_fsdp)
         compute_device = _init.resolve_compute_device(collected[1], buffers, device_id)
-        if world_size == 1 and strategy is not ShardingStrategy.NO_SHARD:
+        if groups.shard_size == 1 and strategy is not ShardingStrategy.NO_SHARD:
             strategy = ShardingStrategy.NO_SHARD  # as torch's FSDP: nothing to shard over
         unit = _init.build_unit(
             collected,
-            group=group,
-            rank=rank,
-            world_size=world_size,
+            groups=groups,
             strategy=strategy,
             compute_device=compute_device,
             mixed_precision=mixed_precision,
             cpu_offload=cpu_offload,
+            sync_module_states=sync_module_states,
+            use_orig_params=use_orig_params,
         )
+        del collected  # the original parameters: free them before the enclosing unit is built
         self._fsdp_wrapped_module = module
-        if unit is not None:
+        if unit is not None and not use_orig_params:
             self.register_parameter(FLAT_PARAM, unit.flat_param)
         self._fsdp_state = FSDPState(
             self,
@@ -229,9 +289,14 @@ class FullyShardedDataParallel(nn.Module):
             inner = get_fsdp_state(m)
             if inner is not None and inner.parent is None:
                 inner.parent = self._fsdp_state
-        self.process_group = group
-        self.rank = rank
-        self.world_size = world_size
+        self.process_group = groups.shard_group
+        self._inter_node_pg = groups.replicate_group
+        self.device_mesh = device_mesh
+        self._device_mesh = groups.device_mesh
+        self._ignored_modules = set(ignored.modules)
+        self._ignored_params = set(ignored.params)
+        self.rank = groups.shard_rank
+        self.world_size = groups.shard_size
         self.sharding_strategy = strategy
         self.cpu_offload = cpu_offload
         self.mixed_precision = mixed_precision
@@ -239,7 +304,7 @@ class FullyShardedDataParallel(nn.Module):
         self.forward_prefetch = forward_prefetch
         self.limit_all_gathers = limit_all_gathers
         self.compute_device = compute_device
-        self._use_orig_params = False
+        self._use_orig_params = bool(use_orig_params)
         self._state_dict_type = StateDictType.FULL_STATE_DICT
         self._state_dict_config = FullStateDictConfig()
         self._optim_state_dict_config = FullOptimStateDictConfig()
@@ -358,8 +423,9 @@ class FullyShardedDataParallel(nn.Module):
                 (others keep their shards); requires ``writeback=False``.
             offload_to_cpu: put the full parameters on the CPU (sharded units
                 only); best combined with ``rank0_only``.
-            with_grads: also gather gradients; needs ``use_orig_params=True``
-                (not implemented yet).
+            with_grads: also gather the gradients onto the original
+                parameters' ``.grad`` (full-shaped); needs
+                ``use_orig_params=True`` and ``offload_to_cpu=False``.
         """
         with _summon_full_params(
             module, recurse, writeback, rank0_only, offload_to_cpu, with_grads
@@ -367,16 +433,28 @@ class FullyShardedDataParallel(nn.Module):
             yield
 
     def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
-        """``nn.Module.named_parameters``; unwrapped names inside :meth:`summon_full_params`."""
-        clean = self._fsdp_state.training_state is TrainingState.SUMMON_FULL_PARAMS
+        """``nn.Module.named_parameters``; unwrapped names inside :meth:`summon_full_params`.
+
+        With ``use_orig_params=True`` always the unwrapped names (torch's FSDP1
+        keeps its ``_fsdp_wrapped_module.`` prefixes outside the summon), so
+        that parameter groups can be chosen by the names of the original model.
+        """
+        clean = (
+            self._use_orig_params
+            or self._fsdp_state.training_state is TrainingState.SUMMON_FULL_PARAMS
+        )
         for name, p in super().named_parameters(*args, **kwargs):
-            yield (name.replace(FSDP_PREFIX, "") if clean else name), p
+            yield (clean_fqn(name) if clean else name), p
 
     def named_buffers(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.Tensor]]:
-        """``nn.Module.named_buffers``; unwrapped names inside :meth:`summon_full_params`."""
-        clean = self._fsdp_state.training_state is TrainingState.SUMMON_FULL_PARAMS
+        """``nn.Module.named_buffers``; unwrapped names inside :meth:`summon_full_params`
+        (always with ``use_orig_params=True``, as :meth:`named_parameters`)."""
+        clean = (
+            self._use_orig_params
+            or self._fsdp_state.training_state is TrainingState.SUMMON_FULL_PARAMS
+        )
         for name, b in super().named_buffers(*args, **kwargs):
-            yield (name.replace(FSDP_PREFIX, "") if clean else name), b
+            yield (clean_fqn(name) if clean else name), b
 
     # --- gradients ------------------------------------------------------------------------------
 
@@ -435,9 +513,16 @@ class FullyShardedDataParallel(nn.Module):
                 continue
             flat_ids.add(id(unit.flat_param))
             all_no_shard = all_no_shard and not unit.config.shard
+            target = sharded if unit.config.shard else replicated
+            if unit.orig is not None:
+                # The gradients the optimizer will step: the original parameters'
+                # (views of the flat gradient unless the user replaced them).
+                flat_ids.update(id(p) for p in unit.orig.params)
+                target.extend(p.grad for p in unit.orig.params if p.grad is not None)
+                continue
             grad = unit.flat_param.grad
             if grad is not None:
-                (sharded if unit.config.shard else replicated).append(grad)
+                target.append(grad)
         if all_no_shard:
             return torch.nn.utils.clip_grad_norm_(list(self.parameters()), max_norm, norm_type)
         for p in self.parameters():
@@ -479,6 +564,13 @@ class FullyShardedDataParallel(nn.Module):
         for s in ctx.states:
             if s.comm_hook is not None:
                 raise RuntimeError("a communication hook is already registered on this FSDP tree")
+            if s.unit is not None and s.unit.config.replicate_group is not None:
+                raise RuntimeError(
+                    "communication hooks are not supported with hybrid sharding (HYBRID_SHARD, "
+                    "_HYBRID_SHARD_ZERO2), as in torch's FSDP: the hook would replace only the "
+                    "reduce-scatter inside the shard group, not the all-reduce across replicas. "
+                    "Use FULL_SHARD/SHARD_GRAD_OP with a hook, or hybrid sharding without one"
+                )
         for s in ctx.states:
             s.comm_hook = hook
             s.comm_hook_state = state
