@@ -663,6 +663,8 @@ def _rank_state_dict_types() -> dict[str, Any]:
     want = {n: tuple(p.shape) for n, p in make_net().named_parameters()}
     got = {n: tuple(s["exp_avg"].shape) for n, s in osd["state"].items()}
     out["optim_full_shapes_kept"] = got == want
+    names = [n for n, _ in make_net().named_parameters()]
+    out["optim_names_kept"] = sorted(osd["param_groups"][0]["params"]) == sorted(names)
     return out
 
 
