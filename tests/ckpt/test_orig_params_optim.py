@@ -11,7 +11,9 @@ resumed on another (and on the same), under every wrapper that can hold them:
 * ``groups``: two groups (no weight decay and another lr for norms and biases) and some
   parameters frozen, so one unit mixes frozen and trainable parameters (``orig`` and
   ``ddp-zero``; ``use_orig_params=False`` cannot hold a frozen+trainable unit, nor
-  groups finer than a unit).
+  groups finer than a unit);
+* ``frozen``: the same frozen parameters, but in the optimizer (one group): they get no
+  state, and the FULL dict has none for them.
 
 Each resume trains 2 more steps; its losses and final weights must equal the
 uninterrupted run's bit for bit. Exact equality holds because every rank trains on
@@ -46,7 +48,11 @@ from tests.ckpt._wrappers import LR, full_weights, same, train
 from tests.fsdp._common import Block, make_net
 from tests.ranks import run_ranks
 
-SOURCES = {"plain": ("orig", "flat", "ddp-zero"), "groups": ("orig", "ddp-zero")}
+SOURCES = {
+    "plain": ("orig", "flat", "ddp-zero"),
+    "groups": ("orig", "ddp-zero"),
+    "frozen": ("orig", "ddp-zero"),
+}
 # (setup, source, target) resumed on the other world size (and orig/zero on the same)
 PAIRS = (
     ("plain", "orig", "orig"),
@@ -57,6 +63,8 @@ PAIRS = (
     ("groups", "orig", "orig"),
     ("groups", "orig", "ddp-zero"),
     ("groups", "ddp-zero", "orig"),
+    ("frozen", "orig", "orig"),
+    ("frozen", "orig", "ddp-zero"),
 )
 
 
@@ -78,7 +86,7 @@ def _freeze(net: nn.Module) -> None:
 
 
 def _groups(model: nn.Module, setup: str) -> list[dict[str, Any]]:
-    if setup == "plain":
+    if setup in ("plain", "frozen"):
         return [{"params": list(model.parameters()), "weight_decay": 0.1}]
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     return [
@@ -94,7 +102,7 @@ def wrap(kind: str, setup: str, seed: int = 0) -> tuple[nn.Module, torch.optim.O
     from zero_optim import ZeroRedundancyOptimizer
 
     net = make_net(seed)
-    if setup == "groups":
+    if setup in ("groups", "frozen"):
         _freeze(net)
     if kind in ("orig", "flat"):
         model: nn.Module = FSDP(
@@ -211,6 +219,14 @@ def _rank_save(root: str) -> tuple[dict[str, Any], dict[str, bool]]:
             if dist.get_rank() == 0:
                 torch.save(full, f"{where}.pt")
             full_by_kind[f"{setup}-{kind}"] = full["optim"]
+            if dist.get_rank() == 0:
+                net = make_net()
+                if setup != "plain":
+                    _freeze(net)
+                trainable = {n for n, p in net.named_parameters() if p.requires_grad}
+                checks[f"{setup}-{kind}: state for the trainable parameters only"] = (
+                    set(full["optim"]["state"]) == trainable
+                )
             statics: tuple[Any, ...] = ()
             if kind == "orig":
                 with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):

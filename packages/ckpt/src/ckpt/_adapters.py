@@ -6,7 +6,8 @@ optimizers and ``zero_optim`` optimizers (see [Note: the adapter protocol]).
   size, and torch's FSDP1/``fully_shard`` checkpoints read and write the same
   layout), or as its LOCAL state dict if that type is selected on the model (then
   only loadable at the same world size, which is checked first);
-* an optimizer over an fsdp model: the sharded FQN-keyed state (DTensor chunks);
+* an optimizer over an fsdp model (either ``use_orig_params``): the sharded FQN-keyed
+  state (DTensor chunks), the same for both modes, so one loads into the other;
 * a ZeroRedundancyOptimizer: each rank's own parameters' state, whole.
 
 At load, an optimizer that never stepped first creates its state (a step that changes
