@@ -95,9 +95,12 @@ def _groups(model: nn.Module, setup: str) -> list[dict[str, Any]]:
     ]
 
 
-def wrap(kind: str, setup: str, seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
+def wrap(
+    kind: str, setup: str, seed: int = 0, strategy: str = "FULL_SHARD"
+) -> tuple[nn.Module, torch.optim.Optimizer]:
     """The model (same initial weights for a seed) and its optimizer under ``kind``."""
     from fsdp import FullyShardedDataParallel as FSDP  # noqa: N817
+    from fsdp import ShardingStrategy
     from fsdp.wrap import ModuleWrapPolicy
     from zero_optim import ZeroRedundancyOptimizer
 
@@ -106,7 +109,10 @@ def wrap(kind: str, setup: str, seed: int = 0) -> tuple[nn.Module, torch.optim.O
         _freeze(net)
     if kind in ("orig", "flat"):
         model: nn.Module = FSDP(
-            net, auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=kind == "orig"
+            net,
+            auto_wrap_policy=ModuleWrapPolicy({Block}),
+            use_orig_params=kind == "orig",
+            sharding_strategy=ShardingStrategy[strategy],
         )
         return model, torch.optim.AdamW(_groups(model, setup), lr=LR)
     model = DDP(net)
@@ -370,3 +376,39 @@ def test_orig_params_optim_errors() -> None:
     for result in run_ranks(_rank_errors, 2, timeout=120):
         assert result == dict.fromkeys(result, "ok"), result
         assert len(result) == 6
+
+
+# --- NO_SHARD: the optimizer sees whole, full-shaped original parameters ---------------------
+
+
+def _rank_no_shard() -> dict[str, bool]:
+    from fsdp import FullStateDictConfig as FullConfig
+
+    runs: dict[str, Any] = {}
+    for strategy in ("FULL_SHARD", "NO_SHARD"):
+        model, optim = wrap("orig", "groups", strategy=strategy)
+        train(model, optim, 0, 3)
+        config = FullConfig(offload_to_cpu=True, rank0_only=False)
+        with ckpt.state_dict_type(model, StateDictType.FULL_STATE_DICT, config):
+            model_sd = model.state_dict()
+        osd = ckpt.optim_state_dict(model, optim, full=True)
+        sharded = ckpt.optim_state_dict(model, optim, full=False)
+        losses = train(model, optim, 3, 5)
+        runs[strategy] = (model_sd, osd, sharded, losses, full_weights(model))
+    out = {"FULL equal": _equal(runs["FULL_SHARD"][1], runs["NO_SHARD"][1])}
+    for source, target in (("FULL_SHARD", "NO_SHARD"), ("NO_SHARD", "FULL_SHARD")):
+        model_sd, osd, sharded, losses, weights = runs[source]
+        for form, saved in (("full", osd), ("sharded", sharded)):
+            model, optim = wrap("orig", "groups", seed=9, strategy=target)
+            model.load_state_dict(model_sd)
+            ckpt.load_optim_state_dict(model, optim, saved)
+            ok = train(model, optim, 3, 5) == losses
+            out[f"{source}->{target} {form}"] = ok and same(full_weights(model), weights)
+    return out
+
+
+def test_orig_params_optim_no_shard() -> None:
+    """NO_SHARD's full-shaped state equals FULL_SHARD's pieces gathered, and loads both ways."""
+    for result in run_ranks(_rank_no_shard, 2, timeout=120):
+        assert len(result) == 5, result
+        assert all(result.values()), {k: v for k, v in result.items() if not v}
