@@ -95,10 +95,11 @@ _Desc = tuple[str, Any]
 
 
 def _describe(value: Any, piece: LocalPiece | None) -> _Desc:
+    """What kind of state ``value`` is, for the exchange between ranks (small: no data)."""
     if isinstance(value, Tensor) and value.dim() > 0:
         shape = piece.shape if piece is not None else torch.Size([0])
-        if tuple(value.shape) == tuple(shape):
-            return ("elem", value.dtype)
+        if tuple(value.shape) == tuple(shape) or (piece is None and value.numel() == 0):
+            return ("elem", value.dtype)  # no piece here: empty (any shape, e.g. (0, 5))
         return ("bad", f"shape {tuple(value.shape)}, the parameter's local piece {tuple(shape)}")
     if isinstance(value, Tensor):
         return ("value", value.detach().clone())
