@@ -143,14 +143,22 @@ def test_train_interrupt_resume_at_two_world_sizes(tmp_path: Path) -> None:
     # fsdp: resume the interrupted run at world size 2 and, from a copy, at 1; ddp-zero
     # at world size 1 and ddp at 2 from their step-3 checkpoints.
     shutil.copytree(tmp_path / "cut", tmp_path / "cut1")
+    shutil.copytree(tmp_path / "cut", tmp_path / "wide")
     _resume_copy(tmp_path / "zero", tmp_path / "zero1", 3)
     _resume_copy(tmp_path / "ddp", tmp_path / "ddp2", 3)
     at2 = Launch(2, [*TINY, "--out-dir", "cut", "--resume"], tmp_path)
     at1 = Launch(1, [*TINY, "--out-dir", "cut1", "--resume"], tmp_path)
     zero1 = Launch(1, [*TINY, "--wrapper", "ddp-zero", "--out-dir", "zero1", "--resume"], tmp_path)
     ddp2 = Launch(2, [*TINY, "--wrapper", "ddp", "--out-dir", "ddp2", "--resume"], tmp_path)
+    # And a resume with another model shape, which must say what differs.
+    wide = Launch(1, [*TINY, "--d-model", "64", "--out-dir", "wide", "--resume"], tmp_path)
     results = {name: launch.finish() for name, launch in
                [("at2", at2), ("at1", at1), ("zero1", zero1), ("ddp2", ddp2)]}  # fmt: skip
+    rc_wide, out_wide = wide.finish()
+    assert rc_wide != 0, out_wide
+    assert "is a checkpoint of another model (d_model: checkpoint 32 vs this run 64)" in (
+        out_wide
+    ), out_wide
     for name, (rc, out) in results.items():
         assert rc == 0, (name, out)
         assert "resumed from" in out and "at step 3" in out, (name, out)
