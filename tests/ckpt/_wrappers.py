@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: N817
 
 from tests.fsdp._common import SEQ, VOCAB, Block, loss_fn, make_net
 
-WRAPPERS = ("fsdp", "ddp-zero", "ddp")
+WRAPPERS = ("fsdp", "fsdp-orig", "ddp-zero", "ddp")
 LR = 1e-2
 
 
@@ -28,8 +28,10 @@ def wrap(kind: str, seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
     from zero_optim import ZeroRedundancyOptimizer
 
     net = make_net(seed)
-    if kind == "fsdp":
-        model: nn.Module = FSDP(net, auto_wrap_policy=ModuleWrapPolicy({Block}))
+    if kind in ("fsdp", "fsdp-orig"):
+        model: nn.Module = FSDP(
+            net, auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=kind == "fsdp-orig"
+        )
         return model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     model = DDP(net)
     if kind == "ddp-zero":

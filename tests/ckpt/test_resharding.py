@@ -1,7 +1,8 @@
 """Checkpoints move between wrappers and world sizes and resume identically.
 
-A checkpoint written by fsdp (FULL_SHARD, auto-wrapped) or by DDP + zero_optim on 2
-ranks resumes on 4 ranks under fsdp, DDP + zero_optim and plain DDP, and one written
+A checkpoint written by fsdp (FULL_SHARD, auto-wrapped, with and without
+``use_orig_params``) or by DDP + zero_optim on 2 ranks resumes on 4 ranks under fsdp
+(both modes), DDP + zero_optim and plain DDP, and one written
 on 4 ranks resumes on 2 and on 1; the losses of the next two steps and the weights
 after them equal those of the uninterrupted run bit for bit (see tests/ckpt/_wrappers
 for why exact equality holds across world sizes). Two paths are covered: ``ckpt.save``
@@ -24,7 +25,7 @@ from ckpt import FullStateDictConfig, StateDictType
 from tests.ckpt._wrappers import WRAPPERS, full_weights, same, train, wrap
 from tests.ranks import run_ranks
 
-SOURCES = ("fsdp", "ddp-zero")
+SOURCES = ("fsdp", "fsdp-orig", "ddp-zero")
 
 
 def _full_model_state(model: nn.Module) -> dict[str, Any]:

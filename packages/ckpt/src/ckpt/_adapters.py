@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ckpt._fsdp_model_state import LocalShardMismatchError
+from ckpt._fsdp_model_state import TEMPLATE_ATTR, LocalShardMismatchError
 from ckpt._fsdp_optim_state import (
     fsdp_optim_state_dict,
     init_optim_state,
@@ -31,6 +31,7 @@ from ckpt._optim_state import has_fsdp
 from ckpt._state import StateContext, register_adapter
 from ckpt._state_dict_type import get_state_dict_type, state_dict_type
 from ckpt._zero_state import load_zero_optim_state_dict, zero_optim_state_dict
+from fsdp import FullyShardedDataParallel
 from fsdp.api import LocalStateDictConfig, ShardedStateDictConfig, StateDictType
 from zero_optim import ZeroRedundancyOptimizer
 
@@ -64,8 +65,15 @@ class FsdpModuleAdapter:
         if self._local(obj, ctx):
             with state_dict_type(obj, StateDictType.LOCAL_STATE_DICT, LocalStateDictConfig()):
                 return obj.state_dict()
-        with state_dict_type(obj, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig()):
-            return obj.state_dict()
+        instances = FullyShardedDataParallel.fsdp_modules(obj) if ctx.loading else []
+        for instance in instances:  # a template: no gather needed, DCP overwrites it
+            setattr(instance, TEMPLATE_ATTR, True)
+        try:
+            with state_dict_type(obj, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig()):
+                return obj.state_dict()
+        finally:
+            for instance in instances:
+                delattr(instance, TEMPLATE_ATTR)
 
     def load_state_dict(
         self, obj: nn.Module, state_dict: dict[str, Any], ctx: StateContext

@@ -55,12 +55,18 @@ from fsdp._state_dict import buffer_orig_dtypes_by_key
 from fsdp.api import StateDictConfig, StateDictType
 
 __all__ = [
+    "TEMPLATE_ATTR",
     "LocalShardMismatchError",
     "local_shard_of",
     "post_state_dict",
     "pre_load_state_dict",
     "pre_state_dict",
 ]
+
+
+TEMPLATE_ATTR = "_ckpt_template_only"
+"""Set (by ckpt.load's adapter) on FSDP instances whose state dict is only a template
+for DCP to fill: SHARDED/FULL entries then get their shapes without any gather."""
 
 
 class LocalShardMismatchError(ValueError):
@@ -122,7 +128,11 @@ def _unit_params(
 ) -> dict[str, Any]:
     """FULL or SHARDED entries of one unit, gathered and released here."""
     unit = view.unit
-    full = gather_flat(unit, unit.flat_param.detach())  # collective: every rank
+    if getattr(view.state.module, TEMPLATE_ATTR, False):
+        # A template for DCP to fill (ckpt.load): the shapes matter, not the values.
+        full = torch.empty(unit.layout.full_numel, dtype=unit.flat_param.dtype)
+    else:
+        full = gather_flat(unit, unit.flat_param.detach())  # collective: every rank
     out: dict[str, Any] = {}
     if sd_type is StateDictType.FULL_STATE_DICT and rank0_only and dist.get_rank() != 0:
         return out

@@ -62,22 +62,27 @@ class _Slot:
     param: Tensor
     unit: UnitView | None  # None: a parameter outside every unit
     fqn: str  # the plain parameter's name (unused for a unit)
+    # use_orig_params=True: the index of this original parameter in its unit (the
+    # optimizer steps its piece of the flat shard, see [Note: original parameter views])
+    orig_index: int | None = None
 
     def fqns(self) -> list[str]:
-        return self.unit.fqns() if self.unit is not None else [self.fqn]
+        if self.unit is None:
+            return [self.fqn]
+        if self.orig_index is not None:
+            return [self.unit.prefix + self.unit.entries[self.orig_index].name]
+        return self.unit.fqns()
 
 
 def _slots(model: nn.Module) -> dict[int, _Slot]:
     """id(tensor the optimizer holds) -> what it stands for."""
     out: dict[int, _Slot] = {}
     for view in units_of(model):
-        if view.unit.orig is not None:
-            raise NotImplementedError(
-                "optimizer state dicts of a model wrapped with use_orig_params=True are not "
-                "implemented yet (its optimizer steps the original parameters' shard pieces). "
-                "Save each rank's optim.state_dict() for a resume at the same world size, or "
-                "wrap with use_orig_params=False"
-            )
+        orig = view.unit.orig
+        if orig is not None:
+            for i, p in enumerate(orig.params):
+                out[id(p)] = _Slot(p, view, "", i)
+            continue
         out[id(view.unit.flat_param)] = _Slot(view.unit.flat_param, view, "")
     for name, p in model.named_parameters():
         if id(p) not in out:
@@ -143,6 +148,91 @@ def _unit_state(
         yield view.prefix + e.name, per_param[e.name]
 
 
+def _orig_flat_states(
+    slots: Mapping[int, _Slot], params: Sequence[Sequence[Tensor]], osd: Mapping[str, Any]
+) -> dict[int, dict[str, Any]]:
+    """use_orig_params=True: each unit's state laid out like its flat shard.
+
+    The optimizer holds one state per original parameter piece (a rank whose shard
+    holds none of a parameter has none), so which keys a unit has is agreed on over
+    the ranks first (one object all-gather), then every rank fills the pieces it holds
+    into flat-shard-shaped tensors (zeros elsewhere) for :func:`_unit_state`.
+    Keyed by id of the unit's FSDP state.
+    """
+    mine: dict[int, dict[str, Any]] = {}  # unit -> key -> ("flat", dtype) | scalar value
+    views: dict[int, UnitView] = {}
+    pieces: dict[int, list[tuple[int, Mapping[str, Any]]]] = {}
+    index = 0
+    for ps in params:
+        for p in ps:
+            slot_state = osd["state"].get(index)
+            index += 1
+            slot = slots.get(id(p))
+            if slot is None or slot.orig_index is None or slot.unit is None:
+                continue
+            uid = id(slot.unit.state)
+            views[uid] = slot.unit
+            pieces.setdefault(uid, [])
+            if not slot_state:
+                continue
+            pieces[uid].append((slot.orig_index, slot_state))
+            keys = mine.setdefault(uid, {})
+            for k, v in slot_state.items():
+                if isinstance(v, Tensor) and v.dim() > 0:
+                    keys[k] = ("flat", v.dtype)
+                elif k not in keys:
+                    keys[k] = _copy(v, torch.device("cpu"))
+    order = [uid for uid in views]  # optimizer order: the same on every rank
+    local = [mine.get(uid, {}) for uid in order]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, local)
+    out: dict[int, dict[str, Any]] = {}
+    for pos, uid in enumerate(order):
+        merged: dict[str, Any] = {}
+        for part in gathered:
+            for k, v in part[pos].items():
+                if isinstance(v, tuple) or k not in merged:
+                    merged[k] = v
+        if not merged:
+            continue
+        view = views[uid]
+        unit = view.unit
+        orig = unit.orig
+        assert orig is not None
+        length = unit.layout.shard_numel if unit.config.shard else unit.layout.full_numel
+        flat_state: dict[str, Any] = {}
+        for k, v in merged.items():
+            if isinstance(v, tuple):
+                flat = torch.zeros(length, dtype=v[1], device=unit.flat_param.device)
+                for i, st in pieces[uid]:
+                    a, b = orig._bounds[i]
+                    if b > a and k in st:
+                        flat[a:b].copy_(st[k].reshape(-1))
+                flat_state[k] = flat
+            else:
+                flat_state[k] = v
+        out[uid] = flat_state
+    return out
+
+
+def _orig_pieces(view: UnitView, flat: Mapping[str, Any]) -> dict[int, dict[str, Any]]:
+    """use_orig_params=True: each original parameter's state from the unit's flat state."""
+    orig = view.unit.orig
+    assert orig is not None
+    out: dict[int, dict[str, Any]] = {}
+    for i, p in enumerate(orig.params):
+        a, b = orig._bounds[i]
+        if b <= a or not p.requires_grad:
+            continue
+        out[i] = {
+            k: v[a:b].view(p.shape).clone()
+            if isinstance(v, Tensor) and v.dim() > 0
+            else (v.clone() if isinstance(v, Tensor) else copy.deepcopy(v))
+            for k, v in flat.items()
+        }
+    return out
+
+
 def _named_groups(
     param_groups: Sequence[Mapping[str, Any]],
     params: Sequence[Sequence[Tensor]],
@@ -176,14 +266,23 @@ def fsdp_optim_state_dict(
     device = torch.device("cpu") if offload_to_cpu else None
     keep = not (rank0_only and not sharded and dist.get_rank() != 0)
     state: dict[str, dict[str, Any]] = {}
+    orig_states = _orig_flat_states(slots, params, osd)
     index = 0
     for ps in params:
         for p in ps:
             slot_state = osd["state"].get(index)
             index += 1
+            slot = _slot_of(slots, p)
+            if slot.orig_index is not None:
+                assert slot.unit is not None
+                flat_state = orig_states.pop(id(slot.unit.state), None)
+                if flat_state is not None:  # the unit's first parameter in the optimizer
+                    for fqn, value in _unit_state(slot.unit, flat_state, sharded, device):
+                        if keep:
+                            state[fqn] = value
+                continue
             if slot_state is None:
                 continue
-            slot = _slot_of(slots, p)
             if slot.unit is None:
                 value = {k: _copy(v, device) for k, v in slot_state.items()}
                 state[slot.fqn] = value
@@ -284,10 +383,22 @@ def load_fsdp_optim_state_dict(
             f"have: {unexpected[:10]}"
         )
     state: dict[int, Any] = {}
+    done: dict[int, dict[int, dict[str, Any]]] = {}  # use_orig_params: unit -> pieces
     index = 0
     for ps in params:
         for p in ps:
             slot = _slot_of(slots, p)
+            if slot.orig_index is not None:
+                assert slot.unit is not None
+                uid = id(slot.unit.state)
+                if uid not in done:  # collective for DTensors: once per unit, same order
+                    flat = _flat_state_of_unit(slot.unit, named["state"], what)
+                    done[uid] = {} if flat is None else _orig_pieces(slot.unit, flat)
+                piece = done[uid].get(slot.orig_index)
+                if piece is not None:
+                    state[index] = piece
+                index += 1
+                continue
             if slot.unit is None:
                 saved = named["state"].get(slot.fqn)
                 if saved is not None:
