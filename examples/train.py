@@ -1,6 +1,6 @@
 """Train a small byte-level GPT across processes with our sharded data-parallel stack.
 
-    torchrun --standalone --nproc-per-node 2 examples/train.py --wrapper ddp
+    torchrun --standalone --nproc-per-node 2 examples/train.py   # our FSDP, FULL_SHARD
     nox -s train                  # the same, with the stack installed, 2 ranks on CPU
 
 Parse the config, build, train, report; whatever happens, leave the process group.
@@ -12,11 +12,13 @@ from __future__ import annotations
 import sys
 
 import torch.distributed
-from tinygpt.checkpoint import CheckpointError, latest_checkpoint
+from tinygpt.checkpoint import latest_checkpoint
 from tinygpt.config import parse_config
 from tinygpt.distributed import destroy_distributed, init_distributed, is_peer_failure
 from tinygpt.parallel import WrapperNotAvailableError, check_available
 from tinygpt.trainer import Trainer
+
+import ckpt
 
 EXIT_INTERRUPTED = 130  # the shell's code for "stopped by Ctrl-C"
 
@@ -40,7 +42,9 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_INTERRUPTED
         trainer.sample()
         return 0
-    except (WrapperNotAvailableError, CheckpointError, ValueError) as exc:
+    except (WrapperNotAvailableError, ckpt.CheckpointError, ValueError) as exc:
+        # ckpt.CheckpointError: also tinygpt's own (a subclass), e.g. a checkpoint of
+        # another model, and ckpt's (a corrupt file, a missing key), raised on every rank.
         if rank in ("?", "0"):  # the same mistake on every rank: say it once
             print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2

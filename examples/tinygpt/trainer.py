@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 import signal
 import statistics
 import time
@@ -19,10 +18,9 @@ from torch import nn
 
 from .checkpoint import (
     CheckpointError,
-    check_supported,
     latest_checkpoint,
-    list_checkpoints,
     load_checkpoint,
+    remove_checkpoints,
     save_checkpoint,
 )
 from .config import VOCAB_SIZE, TrainConfig
@@ -107,8 +105,6 @@ class Trainer:
         self.num_params = sum(p.numel() for p in model.parameters())
         self.model = build_parallel(model, cfg, env)
         self.optimizer = build_optimizer(self.model, cfg)
-        if cfg.checkpoint_every:
-            check_supported(self.model, self.optimizer)
         torch.manual_seed(self._rank_seed(0))  # each rank its own stream (dropout)
         self.corpus = load_corpus(cfg.data, cfg.val_fraction, cfg.seq_len)
         self.sampler = BatchSampler(len(self.corpus.train), cfg.seq_len, cfg.seed)
@@ -140,8 +136,7 @@ class Trainer:
                     "start again (or choose another --checkpoint-dir)"
                 )
             if self.env.is_main:
-                for _, path in list_checkpoints(root):
-                    shutil.rmtree(path)
+                remove_checkpoints(root)
             dist.barrier()
         self.reporter.write_history(self.history)
 
