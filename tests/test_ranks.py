@@ -76,6 +76,9 @@ def _assert_on_rank_one_then_collective() -> None:
 
 
 def _exit_on_rank_one(code: int) -> int:
+    # Both ranks finish connecting first: a rank 1 that exits while rank 0 is still
+    # inside gloo's connectFullMesh makes rank 0 fail too (seen under load).
+    dist.barrier()
     if dist.get_rank() == 1:
         sys.stdout.flush()
         os._exit(code)
