@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 import ckpt
 from ckpt import (
@@ -160,7 +161,7 @@ def test_every_type_resumes_identically(world_size: int) -> None:
 
 def _rank_full_rank0_bytes() -> dict[str, int]:
     """Count the bytes of gathered (unsharded) units alive at each moment of a FULL
-    rank0_only + offload_to_cpu state_dict: never more than one unit's."""
+    rank0_only + offload_to_cpu state_dict: one unit's on rank 0, none elsewhere."""
     import ckpt._fsdp_model_state as model_state
     from fsdp import FullyShardedDataParallel as FSDP  # noqa: N817
 
@@ -168,45 +169,129 @@ def _rank_full_rank0_bytes() -> dict[str, int]:
     units = [s.unit for s in (m._fsdp_state for m in FSDP.fsdp_modules(model)) if s.unit]
     largest = max(u.layout.full_numel * 4 for u in units)
     total = sum(u.layout.full_numel * 4 for u in units)
-    live = {"now": 0, "peak": 0, "calls": 0}
-    original = model_state.gather_flat
+    live = {"now": 0, "peak": 0, "calls": 0, "all_gathers": 0}
+    gather_on_rank0 = model_state.gather_flat_on_rank0
+    all_gather = model_state.gather_flat
 
-    def counting(unit: Any, shard: Tensor) -> Tensor:
+    def counting(unit: Any, shard: Tensor) -> Tensor | None:
+        live["calls"] += 1
+        full = gather_on_rank0(unit, shard)
+        if full is None:
+            return None
         # Track a copy: gloo's worker thread may drop its own reference to the gathered
         # buffer a moment after wait() returns, which made the count flaky under load;
         # what is asserted is how long ckpt's code keeps each gathered unit.
-        full = original(unit, shard).clone()
+        full = full.clone()
         nbytes = full.numel() * full.element_size()
         live["now"] += nbytes
-        live["calls"] += 1
         live["peak"] = max(live["peak"], live["now"])
         weakref.finalize(full.untyped_storage(), live.__setitem__, "now", live["now"] - nbytes)
         return full
 
-    def peak_of(config: FullStateDictConfig) -> tuple[int, dict[str, Any]]:
-        live.update(now=0, peak=0, calls=0)
-        model_state.gather_flat = counting  # type: ignore[assignment]
-        try:
-            with ckpt.state_dict_type(model, FULL, config):
-                sd = model.state_dict()
-        finally:
-            model_state.gather_flat = original  # type: ignore[assignment]
-        assert live["calls"] == len(units)
-        return live["peak"], sd
+    def counting_all_gathers(unit: Any, shard: Tensor) -> Tensor:
+        live["all_gathers"] += 1
+        return all_gather(unit, shard)
 
-    peak, sd = peak_of(FullStateDictConfig(offload_to_cpu=True, rank0_only=True))
+    model_state.gather_flat_on_rank0 = counting  # type: ignore[assignment]
+    model_state.gather_flat = counting_all_gathers  # type: ignore[assignment]
+    try:
+        config = FullStateDictConfig(offload_to_cpu=True, rank0_only=True)
+        with ckpt.state_dict_type(model, FULL, config):
+            sd = model.state_dict()
+    finally:
+        model_state.gather_flat_on_rank0 = gather_on_rank0  # type: ignore[assignment]
+        model_state.gather_flat = all_gather  # type: ignore[assignment]
+    assert live["calls"] == len(units) and live["all_gathers"] == 0, live
+    reference = None
+    if dist.get_rank() == 0:  # the values: those of a state dict gathered everywhere
+        with ckpt.state_dict_type(model, FULL, FullStateDictConfig(offload_to_cpu=True)):
+            reference = model.state_dict()
+    else:
+        with ckpt.state_dict_type(model, FULL, FullStateDictConfig(offload_to_cpu=True)):
+            model.state_dict()
+    if reference is not None:
+        assert sd.keys() == reference.keys()
+        for key, value in reference.items():
+            assert torch.equal(sd[key], value), key
     result_bytes = sum(v.numel() * v.element_size() for v in sd.values())
-    return {"peak": peak, "largest": largest, "total": total, "result": result_bytes}
+    return {"peak": live["peak"], "largest": largest, "total": total, "result": result_bytes}
 
 
-def test_full_rank0_only_holds_one_unit_at_a_time() -> None:
-    results = run_ranks(_rank_full_rank0_bytes, 2)
-    for rank, r in enumerate(results):
-        # Gathered: exactly the largest unit's bytes at the peak, far below the model.
-        assert r["peak"] == r["largest"] < r["total"], r
-        if rank != 0:
-            assert r["result"] == 0, r  # other ranks keep nothing
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_full_rank0_only_holds_one_unit_at_a_time(world_size: int) -> None:
+    results = run_ranks(_rank_full_rank0_bytes, world_size)
+    # Rank 0 holds exactly the largest unit's bytes unsharded at the peak, far below the
+    # model; the other ranks send their shards and hold no unit and no result.
+    assert results[0]["peak"] == results[0]["largest"] < results[0]["total"], results[0]
     assert results[0]["result"] >= results[0]["total"]
+    for r in results[1:]:
+        assert r["peak"] == 0 and r["result"] == 0, r
+
+
+# ----------------------------------------------------------- SHARDED without gathers
+
+
+class _Awkward(nn.Module):
+    """Parameters that cut across flat shards: a scalar, fewer rows than ranks, odd rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(1.5))
+        self.odd = nn.Parameter(torch.randn(5, 3))
+        self.row = nn.Parameter(torch.randn(1, 7))
+        self.vec = nn.Parameter(torch.randn(11))
+        self.lin = nn.Linear(3, 2)
+
+
+def _rank_sharded_exchange() -> bool:
+    """SHARDED state_dict and load_state_dict move chunks by all-to-all: no unit is
+    all-gathered and no parameter rebuilt in full, and the values are those of FULL."""
+    import ckpt._fsdp_model_state as model_state
+    from fsdp import FullyShardedDataParallel as FSDP  # noqa: N817
+
+    torch.manual_seed(0)
+    model = FSDP(_Awkward())
+    with ckpt.state_dict_type(model, FULL):
+        full = model.state_dict()
+    calls = {"gather": 0, "full": 0}
+    gather_flat, full_value = model_state.gather_flat, model_state.full_value
+
+    def no_gather(*args: Any) -> Any:
+        calls["gather"] += 1
+        return gather_flat(*args)
+
+    def no_full(*args: Any) -> Any:
+        calls["full"] += 1
+        return full_value(*args)
+
+    model_state.gather_flat, model_state.full_value = no_gather, no_full  # type: ignore[assignment]
+    try:
+        with ckpt.state_dict_type(model, SHARDED):
+            sd = model.state_dict()
+        for key, value in full.items():
+            assert isinstance(sd[key], DTensor), key
+            assert torch.equal(sd[key].full_tensor(), value), key
+            assert sd[key].to_local().untyped_storage().nbytes() == (
+                sd[key].to_local().numel() * 4
+            ), f"{key}: a chunk shares storage"
+        torch.manual_seed(1)
+        fresh = FSDP(_Awkward())
+        with ckpt.state_dict_type(fresh, SHARDED):
+            fresh.load_state_dict(sd)
+    finally:
+        model_state.gather_flat, model_state.full_value = gather_flat, full_value  # type: ignore[assignment]
+    assert calls == {"gather": 0, "full": 0}, calls
+    with ckpt.state_dict_type(fresh, FULL):
+        loaded = fresh.state_dict()
+    assert same(loaded, full)
+    # The padding of the rebuilt shard is zero, as fsdp's own sharding leaves it.
+    assert torch.equal(fresh._fsdp_state.unit.flat_param, model._fsdp_state.unit.flat_param)
+    return True
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_sharded_moves_chunks_without_gathering_units(world_size: int) -> None:
+    assert run_ranks(_rank_sharded_exchange, world_size) == [True] * world_size
 
 
 # ----------------------------------------------------------- errors

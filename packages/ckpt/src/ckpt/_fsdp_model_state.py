@@ -12,17 +12,21 @@ under ``<prefix>_flat_param`` and no original parameters (they are not registere
 between forward passes). The post-hook replaces that key:
 
 * FULL: gathers the unit, copies each original parameter out of the gathered flat
-  tensor (to the CPU with ``offload_to_cpu``; on rank 0 only with ``rank0_only``)
-  and drops the gathered tensor before returning, so a rank's device holds at most
-  one unit unsharded at any time, and other ranks never hold a full copy.
-* SHARDED: the same gather, then each parameter's dimension-0 chunk as a DTensor
-  (see [Note: SHARDED is chunked per original parameter] in ``_fsdp_units.py``).
+  tensor (to the CPU with ``offload_to_cpu``) and drops the gathered tensor before
+  returning, so a rank's device holds at most one unit unsharded at any time. With
+  ``rank0_only`` the shards are gathered on rank 0 alone: the other ranks send theirs
+  and never hold a unit unsharded.
+* SHARDED: each parameter's dimension-0 chunk as a DTensor (see [Note: SHARDED is
+  chunked per original parameter] in ``_fsdp_units.py``), moved straight from the
+  flat shards to the chunks by one all-to-all (see [Note: a unit's bytes move once]
+  in ``_unit_exchange.py``): no rank holds the unit unsharded.
 * LOCAL: the shard itself (padding included) as a ``DTensor`` of the padded flat
   tensor, which ``Shard(0)`` splits exactly as fsdp does; no communication.
 
 Loading is the mirror image: the pre-hook takes the unit's keys out of the incoming
-dict, rebuilds this rank's shard (from full tensors, from DTensors gathered
-parameter by parameter, or from the local shard) and puts it under
+dict, rebuilds this rank's shard (from full tensors; from DTensors chunked as SHARDED
+makes them by the reverse all-to-all, from other DTensors gathered parameter by
+parameter; or from the local shard) and puts it under
 ``<prefix>_flat_param``, which ``nn.Module`` then copies into the FlatParameter with
 its usual shape check. Missing keys are reported through ``missing_keys`` and shape
 mismatches through ``error_msgs``, so ``load_state_dict(strict=True)`` lists them
@@ -40,13 +44,16 @@ from torch.distributed.tensor import DTensor, Shard
 
 from ckpt._fsdp_units import (
     UnitView,
+    chunk_dtensor,
     full_value,
     gather_flat,
     inner_key,
+    is_chunked_like_ours,
     mesh_for,
     param_entries,
     to_dtensor,
 )
+from ckpt._unit_exchange import chunks_to_shard, gather_flat_on_rank0, shard_to_chunks
 from flatparam import shard_flat
 from fsdp._common import FLAT_PARAM, TrainingState
 from fsdp._flat_param_unit import FlatParamUnit
@@ -126,28 +133,42 @@ def post_state_dict(module: nn.Module, state_dict: dict[str, Any], prefix: str) 
 def _unit_params(
     view: UnitView, sd_type: StateDictType, offload: bool, rank0_only: bool
 ) -> dict[str, Any]:
-    """FULL or SHARDED entries of one unit, gathered and released here."""
+    """FULL or SHARDED entries of one unit (see [Note: one unit at a time])."""
     unit = view.unit
-    if getattr(view.state.module, TEMPLATE_ATTR, False):
-        # A template for DCP to fill (ckpt.load): the shapes matter, not the values.
-        full = torch.empty(unit.layout.full_numel, dtype=unit.flat_param.dtype)
-    else:
-        full = gather_flat(unit, unit.flat_param.detach())  # collective: every rank
-    out: dict[str, Any] = {}
-    if sd_type is StateDictType.FULL_STATE_DICT and rank0_only and dist.get_rank() != 0:
-        return out
     device = torch.device("cpu") if offload else unit.config.compute_device
-    for entry in view.entries:
-        param = full[entry.start : entry.end].view(entry.shape)
-        value: Any
-        if sd_type is StateDictType.SHARDED_STATE_DICT:
-            value = to_dtensor(param, unit.config.group, device)
+    sharded = sd_type is StateDictType.SHARDED_STATE_DICT
+    template = getattr(view.state.module, TEMPLATE_ATTR, False)
+    values: list[Any]
+    if sharded and unit.config.shard and not template:
+        chunks = shard_to_chunks(unit, unit.flat_param.detach(), view.entries, device)
+        values = [
+            chunk_dtensor(c, e.shape, unit.config.group)
+            for c, e in zip(chunks, view.entries, strict=True)
+        ]
+    else:
+        full: Tensor | None
+        if template:
+            # A template for DCP to fill (ckpt.load): the shapes matter, not the values.
+            full = torch.empty(unit.layout.full_numel, dtype=unit.flat_param.dtype)
+        elif rank0_only and not sharded:
+            full = gather_flat_on_rank0(unit, unit.flat_param.detach())  # collective
         else:
-            value = _copy_out(param, offload)
+            full = gather_flat(unit, unit.flat_param.detach())  # collective: every rank
+        if full is None:
+            return {}
+        values = []
+        for entry in view.entries:
+            param = full[entry.start : entry.end].view(entry.shape)
+            if sharded:
+                values.append(to_dtensor(param, unit.config.group, device))
+            else:
+                values.append(_copy_out(param, offload))
+        del full
+    out: dict[str, Any] = {}
+    for entry, value in zip(view.entries, values, strict=True):
         out[view.prefix + entry.name] = value
         for alias in entry.aliases:
             out[view.prefix + alias] = value
-    del full
     return out
 
 
@@ -275,21 +296,29 @@ def _shard_from_params(
     if missing:
         missing_keys.extend(missing)
         return None
-    parts: list[Tensor] = []
     bad = False
     for entry, value in zip(view.entries, values, strict=True):
-        full = full_value(value)  # a collective for a DTensor: every rank, same order
-        if tuple(full.shape) != tuple(entry.shape):
+        if not isinstance(value, Tensor):
+            raise TypeError(
+                f"{view.prefix + entry.name}: expected a tensor or DTensor in the state dict, "
+                f"got {type(value).__name__}"
+            )
+        if tuple(value.shape) != tuple(entry.shape):  # a DTensor's shape is the global one
             error_msgs.append(
                 f"size mismatch for {view.prefix + entry.name}: copying a param with shape "
-                f"{tuple(full.shape)} from checkpoint, the shape in current model is "
+                f"{tuple(value.shape)} from checkpoint, the shape in current model is "
                 f"{tuple(entry.shape)}."
             )
             bad = True
-            continue
-        parts.append(full.reshape(-1).to(unit.flat_param.dtype))
     if bad:
         return None
+    group = unit.config.group
+    if unit.config.shard and all(is_chunked_like_ours(v, group) for v in values):
+        # DCP filled the template SHARDED made: the chunks are here, no gather needed.
+        return chunks_to_shard(unit, [v.to_local() for v in values], view.entries)
+    # Full tensors (FULL), or DTensors laid out otherwise: every rank rebuilds each
+    # parameter (a collective for a DTensor: every rank, same order) and keeps its shard.
+    parts = [full_value(v).reshape(-1).to(unit.flat_param.dtype) for v in values]
     flat = torch.cat([p.to(unit.flat_param.device) for p in parts])
     if not unit.config.shard:
         return flat

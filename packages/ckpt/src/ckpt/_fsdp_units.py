@@ -13,6 +13,9 @@ provides the two conversions everything else is made of:
   dimension 0 (``to_dtensor``), and any DTensor/tensor -> the full tensor
   (``full_value``).
 
+The model state dicts skip the full tensors where they can: ``_unit_exchange.py``
+moves flat shards to chunks and back directly.
+
 [Note: SHARDED is chunked per original parameter]
 A rank's flat shard starts wherever ``rank * shard_numel`` falls, usually in the middle
 of a parameter, so the flat shards are not a sharding of the original parameters that a
@@ -50,8 +53,10 @@ __all__ = [
     "ParamEntry",
     "UnitView",
     "chunk_bounds",
+    "chunk_dtensor",
     "full_value",
     "gather_flat",
+    "is_chunked_like_ours",
     "mesh_for",
     "param_entries",
     "to_dtensor",
@@ -177,20 +182,38 @@ def to_dtensor(full: Tensor, group: Any, device: torch.device) -> DTensor:
     No communication: every rank already holds ``full``.
     """
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-    mesh = mesh_for(group, device.type)
     if full.dim() == 0:
-        local = full.detach().to(device, copy=True)
-        return DTensor.from_local(local, mesh, [Replicate()], run_check=False)
+        return chunk_dtensor(full.detach().to(device, copy=True), full.shape, group)
     start, end = chunk_bounds(full.shape[0], world_size, rank)
-    local = full.detach()[start:end].to(device, copy=True)
+    return chunk_dtensor(full.detach()[start:end].to(device, copy=True), full.shape, group)
+
+
+def chunk_dtensor(local: Tensor, shape: torch.Size, group: Any) -> DTensor:
+    """``local``, this rank's dimension-0 chunk of a tensor of ``shape``, as a DTensor.
+
+    The mesh is the group's on ``local``'s device; a 0-dim ``local`` is replicated.
+    ``local`` is used as is (no copy).
+    """
+    mesh = mesh_for(group, local.device.type)
+    if len(shape) == 0:
+        return DTensor.from_local(local, mesh, [Replicate()], run_check=False)
     return DTensor.from_local(
-        local,
-        mesh,
-        [Shard(0)],
-        run_check=False,
-        shape=full.shape,
-        stride=_contiguous_stride(full.shape),
+        local, mesh, [Shard(0)], run_check=False, shape=shape, stride=_contiguous_stride(shape)
     )
+
+
+def is_chunked_like_ours(value: Any, group: Any) -> bool:
+    """Whether ``value`` is a DTensor whose local tensor is this rank's chunk as
+    :func:`chunk_dtensor` makes it: a 1-D mesh over ``group``'s ranks in order,
+    ``Shard(0)`` (``Replicate()`` when 0-dim). Decided from global metadata only, so
+    every rank decides alike."""
+    if not isinstance(value, DTensor) or value.device_mesh.ndim != 1:
+        return False
+    placement = Replicate() if value.dim() == 0 else Shard(0)
+    if tuple(value.placements) != (placement,):
+        return False
+    ranks = value.device_mesh.mesh.flatten().tolist()
+    return bool(ranks == dist.get_process_group_ranks(group))
 
 
 def full_value(value: Any) -> Tensor:

@@ -1,0 +1,193 @@
+"""A unit's flat shards rearranged for a checkpoint, without gathering the unit.
+
+[Note: a unit's bytes move once]
+Gathering a whole unit on every rank to hand each rank back a 1/N share of it (what a
+SHARDED state dict needs, see [Note: SHARDED is chunked per original parameter] in
+``_fsdp_units.py``) moves N times the unit's bytes and holds the unit unsharded on
+every rank. Both layouts are known everywhere, so each rank can instead work out
+which of its flat elements another rank's chunks need and send exactly those:
+
+* ``shard_to_chunks``: flat shards -> this rank's dimension-0 chunk of each original
+  parameter, one ``all_to_all_single`` per unit (each element crosses the wire at
+  most once; a rank holds its shard and its chunks, about twice a shard);
+* ``chunks_to_shard``: the mirror image for loading;
+* ``gather_flat_on_rank0``: the full flat tensor on global rank 0 alone (a FULL
+  ``rank0_only`` state dict), one ``gather``: the other ranks only send.
+
+Every interval below is in the unpadded flat tensor's coordinates: parameter ``e``
+is ``flat[e.start : e.end]``, rank ``s``'s shard is ``flat[s * S : (s + 1) * S]``
+(``S = shard_numel``, padding at the very end). A rank's chunk of ``e`` is a
+contiguous run of rows, so a contiguous flat interval; the intervals of one rank are
+disjoint and increase with the parameters, which is why the pieces one rank
+receives, concatenated in source-rank order, are its chunks in parameter order.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ckpt._fsdp_units import ParamEntry, chunk_bounds
+from flatparam import unpad_flat
+from fsdp._flat_param_unit import FlatParamUnit
+
+__all__ = ["chunk_shape", "chunks_to_shard", "gather_flat_on_rank0", "shard_to_chunks"]
+
+Interval = tuple[int, int]  # [start, end) in the unpadded flat tensor
+
+
+def chunk_shape(shape: torch.Size, world_size: int, rank: int) -> torch.Size:
+    """Shape of ``rank``'s ``Shard(0)`` chunk of a tensor of ``shape`` (0-dim: itself)."""
+    if len(shape) == 0:
+        return shape
+    start, end = chunk_bounds(shape[0], world_size, rank)
+    return torch.Size((end - start, *shape[1:]))
+
+
+def _chunk_intervals(
+    entries: Sequence[ParamEntry], world_size: int, rank: int, scalars_everywhere: bool
+) -> list[Interval]:
+    """``rank``'s chunk of each entry as a flat interval, in parameter order.
+
+    A 0-dim parameter is replicated, not chunked: every rank needs it when chunks are
+    made (``scalars_everywhere``), and only rank 0 supplies it when a shard is rebuilt.
+    """
+    out: list[Interval] = []
+    for e in entries:
+        if len(e.shape) == 0:
+            out.append((e.start, e.end) if scalars_everywhere or rank == 0 else (e.end, e.end))
+            continue
+        row = math.prod(e.shape[1:])
+        start, end = chunk_bounds(e.shape[0], world_size, rank)
+        out.append((e.start + start * row, e.start + end * row))
+    return out
+
+
+def _overlaps(wanted: Sequence[Interval], lo: int, hi: int) -> list[tuple[int, int, int]]:
+    """Parts of ``wanted`` inside ``[lo, hi)``: ``(packed, offset, numel)`` each.
+
+    ``packed`` is where the part sits in ``wanted``'s intervals laid end to end,
+    ``offset`` where it sits relative to ``lo``.
+    """
+    out: list[tuple[int, int, int]] = []
+    packed = 0
+    for start, end in wanted:
+        a, b = max(start, lo), min(end, hi)
+        if b > a:
+            out.append((packed + a - start, a - lo, b - a))
+        packed += end - start
+    return out
+
+
+def _cat(parts: list[Tensor], like: Tensor) -> Tensor:
+    return torch.cat(parts) if parts else like.new_empty(0)
+
+
+def _all_to_all(sends: list[Tensor], recv_numels: list[int], group: Any, like: Tensor) -> Tensor:
+    """One ``all_to_all_single``: ``sends[r]`` to rank ``r``; what rank ``s`` sent, in order."""
+    out = like.new_empty(sum(recv_numels))
+    dist.all_to_all_single(
+        out,
+        _cat(sends, like),
+        output_split_sizes=recv_numels,
+        input_split_sizes=[t.numel() for t in sends],
+        group=group,
+    )
+    return out
+
+
+def shard_to_chunks(
+    unit: FlatParamUnit, shard: Tensor, entries: Sequence[ParamEntry], device: torch.device
+) -> list[Tensor]:
+    """This rank's ``Shard(0)`` chunk of every entry, from every rank's flat ``shard``.
+
+    ``shard`` is laid out like the unit's FlatParameter (this rank's padded chunk).
+    A collective over the unit's group: see [Note: a unit's bytes move once]. The
+    chunks are fresh tensors on ``device`` that share no storage with each other.
+    """
+    cfg, size = unit.config, unit.layout.shard_numel
+    src = shard.detach().to(cfg.compute_device)
+    mine = _chunk_intervals(entries, cfg.world_size, cfg.rank, scalars_everywhere=True)
+    lo, hi = cfg.rank * size, (cfg.rank + 1) * size
+    sends = []
+    for dst in range(cfg.world_size):
+        wanted = _chunk_intervals(entries, cfg.world_size, dst, scalars_everywhere=True)
+        sends.append(_cat([src[o : o + n] for _, o, n in _overlaps(wanted, lo, hi)], src))
+    recv = [
+        sum(n for *_, n in _overlaps(mine, s * size, (s + 1) * size)) for s in range(cfg.world_size)
+    ]
+    packed = _all_to_all(sends, recv, cfg.group, src)
+    del sends
+    chunks: list[Tensor] = []
+    at = 0
+    for e, (start, end) in zip(entries, mine, strict=True):
+        piece = packed[at : at + end - start]
+        at += end - start
+        shape = chunk_shape(e.shape, cfg.world_size, cfg.rank)
+        chunks.append(piece.view(shape).to(device, copy=True))
+    return chunks
+
+
+def chunks_to_shard(
+    unit: FlatParamUnit, chunks: Sequence[Tensor], entries: Sequence[ParamEntry]
+) -> Tensor:
+    """This rank's padded flat shard from every rank's ``Shard(0)`` chunks of the entries.
+
+    ``chunks[i]`` is this rank's chunk of ``entries[i]`` (shape from :func:`chunk_shape`);
+    the padding comes back as zeros. A collective over the unit's group, the mirror
+    image of :func:`shard_to_chunks`. Returns a tensor on the FlatParameter's device.
+    """
+    cfg, size = unit.config, unit.layout.shard_numel
+    dtype = unit.flat_param.dtype
+    mine = _chunk_intervals(entries, cfg.world_size, cfg.rank, scalars_everywhere=False)
+    local = _cat(
+        [
+            c.detach().reshape(-1)[: end - start].to(cfg.compute_device, dtype)
+            for c, (start, end) in zip(chunks, mine, strict=True)
+        ],
+        torch.empty(0, dtype=dtype, device=cfg.compute_device),
+    )
+    sends = [
+        _cat([local[p : p + n] for p, _, n in _overlaps(mine, d * size, (d + 1) * size)], local)
+        for d in range(cfg.world_size)
+    ]
+    lo, hi = cfg.rank * size, (cfg.rank + 1) * size
+    theirs = [
+        _overlaps(_chunk_intervals(entries, cfg.world_size, s, False), lo, hi)
+        for s in range(cfg.world_size)
+    ]
+    packed = _all_to_all(sends, [sum(n for *_, n in parts) for parts in theirs], cfg.group, local)
+    shard = torch.zeros(size, dtype=dtype, device=cfg.compute_device)
+    at = 0
+    for parts in theirs:
+        for _, offset, n in parts:
+            shard[offset : offset + n] = packed[at : at + n]
+            at += n
+    return shard.to(unit.flat_param.device)
+
+
+def gather_flat_on_rank0(unit: FlatParamUnit, shard: Tensor) -> Tensor | None:
+    """The full unpadded flat tensor on global rank 0; None on every other rank.
+
+    A ``gather`` over the unit's group when that group holds global rank 0; with
+    hybrid sharding the other shard groups hold replicas of the same data and do
+    nothing. An unsharded unit's tensor is returned as is on rank 0.
+    """
+    cfg = unit.config
+    is_rank0 = dist.get_rank() == 0
+    if not cfg.shard:
+        return shard if is_rank0 else None
+    if 0 not in dist.get_process_group_ranks(cfg.group):
+        return None
+    src = shard.detach().to(cfg.compute_device)
+    if not is_rank0:
+        dist.gather(src, None, dst=0, group=cfg.group)
+        return None
+    padded = torch.empty(unit.layout.padded_numel, dtype=src.dtype, device=src.device)
+    dist.gather(src, list(padded.chunk(cfg.world_size)), dst=0, group=cfg.group)
+    return unpad_flat(padded, unit.layout)
