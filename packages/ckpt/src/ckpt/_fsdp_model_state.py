@@ -14,8 +14,8 @@ between forward passes). The post-hook replaces that key:
 * FULL: gathers the unit, copies each original parameter out of the gathered flat
   tensor (to the CPU with ``offload_to_cpu``) and drops the gathered tensor before
   returning, so a rank's device holds at most one unit unsharded at any time. With
-  ``rank0_only`` the shards are gathered on rank 0 alone: the other ranks send theirs
-  and never hold a unit unsharded.
+  ``rank0_only`` the other ranks send their shards to rank 0, which copies them into
+  the parameters it returns: no rank holds a unit unsharded besides that result.
 * SHARDED: each parameter's dimension-0 chunk as a DTensor (see [Note: SHARDED is
   chunked per original parameter] in ``_fsdp_units.py``), moved straight from the
   flat shards to the chunks by one all-to-all (see [Note: a unit's bytes move once]
@@ -53,7 +53,7 @@ from ckpt._fsdp_units import (
     param_entries,
     to_dtensor,
 )
-from ckpt._unit_exchange import chunks_to_shard, gather_flat_on_rank0, shard_to_chunks
+from ckpt._unit_exchange import chunks_to_shard, gather_params_on_rank0, shard_to_chunks
 from flatparam import shard_flat
 from fsdp._common import FLAT_PARAM, TrainingState
 from fsdp._flat_param_unit import FlatParamUnit
@@ -145,17 +145,17 @@ def _unit_params(
             chunk_dtensor(c, e.shape, unit.config.group)
             for c, e in zip(chunks, view.entries, strict=True)
         ]
+    elif rank0_only and not sharded and not template:
+        gathered = gather_params_on_rank0(unit, unit.flat_param.detach(), view.entries, device)
+        if gathered is None:
+            return {}
+        values = list(gathered)
     else:
-        full: Tensor | None
         if template:
             # A template for DCP to fill (ckpt.load): the shapes matter, not the values.
             full = torch.empty(unit.layout.full_numel, dtype=unit.flat_param.dtype)
-        elif rank0_only and not sharded:
-            full = gather_flat_on_rank0(unit, unit.flat_param.detach())  # collective
         else:
             full = gather_flat(unit, unit.flat_param.detach())  # collective: every rank
-        if full is None:
-            return {}
         values = []
         for entry in view.entries:
             param = full[entry.start : entry.end].view(entry.shape)

@@ -11,8 +11,9 @@ which of its flat elements another rank's chunks need and send exactly those:
   parameter, one ``all_to_all_single`` per unit (each element crosses the wire at
   most once; a rank holds its shard and its chunks, about twice a shard);
 * ``chunks_to_shard``: the mirror image for loading;
-* ``gather_flat_on_rank0``: the full flat tensor on global rank 0 alone (a FULL
-  ``rank0_only`` state dict), one ``gather``: the other ranks only send.
+* ``gather_params_on_rank0``: the full parameters on global rank 0 alone (a FULL
+  ``rank0_only`` state dict): the other ranks only send their shards, and rank 0
+  copies them into the parameters one shard at a time.
 
 Every interval below is in the unpadded flat tensor's coordinates: parameter ``e``
 is ``flat[e.start : e.end]``, rank ``s``'s shard is ``flat[s * S : (s + 1) * S]``
@@ -33,10 +34,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ckpt._fsdp_units import ParamEntry, chunk_bounds
-from flatparam import unpad_flat
 from fsdp._flat_param_unit import FlatParamUnit
 
-__all__ = ["chunk_shape", "chunks_to_shard", "gather_flat_on_rank0", "shard_to_chunks"]
+__all__ = ["chunk_shape", "chunks_to_shard", "gather_params_on_rank0", "shard_to_chunks"]
 
 Interval = tuple[int, int]  # [start, end) in the unpadded flat tensor
 
@@ -171,23 +171,48 @@ def chunks_to_shard(
     return shard.to(unit.flat_param.device)
 
 
-def gather_flat_on_rank0(unit: FlatParamUnit, shard: Tensor) -> Tensor | None:
-    """The full unpadded flat tensor on global rank 0; None on every other rank.
+def _recv_buffer(numel: int, like: Tensor) -> Tensor:
+    """Where one peer's shard lands on rank 0 (a function of its own so tests count it)."""
+    return like.new_empty(numel)
 
-    A ``gather`` over the unit's group when that group holds global rank 0; with
-    hybrid sharding the other shard groups hold replicas of the same data and do
-    nothing. An unsharded unit's tensor is returned as is on rank 0.
+
+def gather_params_on_rank0(
+    unit: FlatParamUnit, shard: Tensor, entries: Sequence[ParamEntry], device: torch.device
+) -> list[Tensor] | None:
+    """Every entry's full tensor (fresh, on ``device``) on global rank 0; None elsewhere.
+
+    The other ranks of the unit's group send their shards point to point; rank 0 takes
+    them one at a time and copies each piece straight into the parameter it belongs to,
+    so besides the result it holds one shard in transit, never the unit unsharded (a
+    gather would hold it twice: its receive buffer and the copies). With hybrid
+    sharding the shard groups without rank 0 hold replicas of the same data and do
+    nothing.
     """
     cfg = unit.config
     is_rank0 = dist.get_rank() == 0
-    if not cfg.shard:
-        return shard if is_rank0 else None
-    if 0 not in dist.get_process_group_ranks(cfg.group):
+    if not cfg.shard:  # ``shard`` is the whole flat tensor
+        if not is_rank0:
+            return None
+        return [shard[e.start : e.end].view(e.shape).to(device, copy=True) for e in entries]
+    ranks = dist.get_process_group_ranks(cfg.group)
+    if 0 not in ranks:
         return None
-    src = shard.detach().to(cfg.compute_device)
+    src = shard.detach().to(cfg.compute_device).contiguous()
     if not is_rank0:
-        dist.gather(src, None, dst=0, group=cfg.group)
+        dist.send(src, dst=0, group=cfg.group)
         return None
-    padded = torch.empty(unit.layout.padded_numel, dtype=src.dtype, device=src.device)
-    dist.gather(src, list(padded.chunk(cfg.world_size)), dst=0, group=cfg.group)
-    return unpad_flat(padded, unit.layout)
+    outs = [torch.empty(e.shape, dtype=src.dtype, device=device) for e in entries]
+    flat_outs = [o.view(-1) for o in outs]
+    size = unit.layout.shard_numel
+    for peer in range(cfg.world_size):
+        buf = src
+        if peer != cfg.rank:
+            buf = _recv_buffer(size, src)
+            dist.recv(buf, src=ranks[peer], group=cfg.group)
+        lo, hi = peer * size, (peer + 1) * size
+        for e, out in zip(entries, flat_outs, strict=True):
+            a, b = max(e.start, lo), min(e.end, hi)
+            if b > a:
+                out[a - e.start : b - e.start].copy_(buf[a - lo : b - lo])
+        del buf
+    return outs
