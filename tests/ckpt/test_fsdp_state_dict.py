@@ -248,6 +248,10 @@ class _Awkward(nn.Module):
         self.vec = nn.Parameter(torch.randn(11))
         self.lin = nn.Linear(3, 2)
 
+    def forward(self, x: Tensor) -> Tensor:
+        rest = self.odd.sum() + self.row.sum() + self.vec.sum()
+        return self.lin(x).sum() * self.scale + rest
+
 
 def _rank_sharded_exchange() -> bool:
     """SHARDED state_dict and load_state_dict move chunks by all-to-all: no unit is
@@ -292,6 +296,45 @@ def _rank_sharded_exchange() -> bool:
     assert same(loaded, full)
     # The padding of the rebuilt shard is zero, as fsdp's own sharding leaves it.
     assert torch.equal(fresh._fsdp_state.unit.flat_param, model._fsdp_state.unit.flat_param)
+    return True
+
+
+def _rank_sharded_optim_exchange() -> bool:
+    """A sharded optimizer state dict (flat and use_orig_params) moves chunks by
+    all-to-all, gathering no unit, with the values of the full one."""
+    import ckpt._fsdp_optim_state as flat_optim
+    import ckpt._orig_optim_state as orig_optim
+    from fsdp import FullyShardedDataParallel as FSDP  # noqa: N817
+
+    calls = {"gather": 0}
+    originals = flat_optim.gather_flat, orig_optim.gather_flat
+    assert originals[0] is originals[1]
+
+    def counting(*args: Any) -> Any:
+        calls["gather"] += 1
+        return originals[0](*args)
+
+    for use_orig_params in (False, True):
+        torch.manual_seed(0)
+        model = FSDP(_Awkward(), use_orig_params=use_orig_params)
+        optim = torch.optim.Adam(model.parameters(), lr=0.1)
+        model(torch.randn(4, 3)).backward()
+        optim.step()
+        full = ckpt.optim_state_dict(model, optim, full=True)
+        calls["gather"] = 0
+        flat_optim.gather_flat = orig_optim.gather_flat = counting  # type: ignore[assignment]
+        try:
+            sharded = ckpt.optim_state_dict(model, optim, full=False)
+        finally:
+            flat_optim.gather_flat, orig_optim.gather_flat = originals  # type: ignore[assignment]
+        assert calls["gather"] == 0, (use_orig_params, calls)
+        assert sharded["state"].keys() == full["state"].keys() and full["state"]
+        for fqn, state in full["state"].items():
+            for key, value in state.items():
+                got = sharded["state"][fqn][key]
+                if isinstance(got, DTensor):
+                    got = got.full_tensor()
+                assert torch.equal(got, value), (use_orig_params, fqn, key)
     return True
 
 
@@ -397,3 +440,8 @@ def _rank_errors(root: str) -> None:
 
 def test_errors(tmp_path: Path) -> None:
     run_ranks(_rank_errors, 2, str(tmp_path))
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_sharded_optim_state_moves_chunks_without_gathering_units(world_size: int) -> None:
+    assert run_ranks(_rank_sharded_optim_exchange, world_size) == [True] * world_size

@@ -24,7 +24,8 @@ into the same FQN-keyed form and back, through the same per-unit gathers, so the
 forms above do not depend on the mode a checkpoint was written in.
 
 [Note: optimizer state collectives]
-Turning flat shards into per-parameter tensors gathers each unit (and each DTensor is
+Turning flat shards into per-parameter tensors gathers each unit for a full state
+dict, or moves them to chunks by an all-to-all for a sharded one (and each DTensor is
 gathered on load), so every function here is a collective: call it on every rank,
 with the same model and optimizer. Units are visited in the same order everywhere.
 """
@@ -40,8 +41,16 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ckpt._fsdp_units import UnitView, full_value, gather_flat, to_dtensor, units_of
+from ckpt._fsdp_units import (
+    UnitView,
+    chunk_dtensor,
+    full_value,
+    gather_flat,
+    to_dtensor,
+    units_of,
+)
 from ckpt._orig_optim_state import load_orig_param_state, orig_unit_state
+from ckpt._unit_exchange import shard_to_chunks
 from flatparam import shard_flat
 from fsdp._common import clean_fqn
 from fsdp.api import OptimStateKeyType, StateDictType
@@ -136,7 +145,13 @@ def _unit_state(
     """(fqn, state) for every parameter of a unit, from the flat parameter's state."""
     per_param: dict[str, dict[str, Any]] = {e.name: {} for e in view.entries}
     for key, value in flat_state.items():
-        if _is_flat_state(value, view):
+        if _is_flat_state(value, view) and sharded and view.unit.config.shard:
+            # Chunks straight from the shards: see [Note: a unit's bytes move once].
+            dev = device or view.unit.config.compute_device
+            chunks = shard_to_chunks(view.unit, value, view.entries, dev)  # collective
+            for e, chunk in zip(view.entries, chunks, strict=True):
+                per_param[e.name][key] = chunk_dtensor(chunk, e.shape, view.unit.config.group)
+        elif _is_flat_state(value, view):
             full = gather_flat(view.unit, value)  # collective, see [Note: ...collectives]
             for e in view.entries:
                 piece = full[e.start : e.end].view(e.shape)

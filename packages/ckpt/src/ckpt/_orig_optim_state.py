@@ -11,8 +11,9 @@ through the same flat path as ``use_orig_params=False``:
 
 * saving: for each state key, this rank's pieces are put at their offsets in a
   flat-shard-shaped tensor (zeros in padding and where a parameter has no state),
-  the unit's flat tensor is all-gathered (``gather_flat``), and each parameter's
-  ``[start, end)`` of it is its full state;
+  and that tensor becomes each parameter's state: all-gathered (``gather_flat``) and
+  cut at ``[start, end)`` for a full state dict, turned into dimension-0 chunks by
+  one all-to-all for a sharded one (``shard_to_chunks``);
 * loading: each parameter's full state (a gathered DTensor, or a full tensor) is cut
   back to this rank's piece of it; a parameter with an empty piece gets no state, as
   the optimizer of an uninterrupted run has none for it.
@@ -42,7 +43,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ckpt._fsdp_units import UnitView, full_value, gather_flat, to_dtensor
+from ckpt._fsdp_units import UnitView, chunk_dtensor, full_value, gather_flat, to_dtensor
+from ckpt._unit_exchange import shard_to_chunks
 
 __all__ = ["LocalPiece", "load_orig_param_state", "local_pieces", "orig_unit_state"]
 
@@ -183,10 +185,18 @@ def orig_unit_state(
             if piece is None or not isinstance(value, Tensor) or value.dtype != dtype:
                 continue
             shard[piece.shard_start : piece.shard_end] = value.detach().reshape(-1)
+        wanted = [i for i, descs in merged.items() if descs.get(key) == ("elem", dtype)]
+        if sharded and unit.config.shard:
+            # Chunks straight from the shards: see [Note: a unit's bytes move once].
+            dev = device or unit.config.compute_device
+            chunks = shard_to_chunks(unit, shard, view.entries, dev)  # collective
+            for i in wanted:
+                e = view.entries[i]
+                out[i][key] = chunk_dtensor(chunks[i], e.shape, unit.config.group)
+            del chunks, shard
+            continue
         full = gather_flat(unit, shard)  # collective, see [Note: optimizer state collectives]
-        for i, descs in merged.items():
-            if descs.get(key) != ("elem", dtype):
-                continue
+        for i in wanted:
             e = view.entries[i]
             value = full[e.start : e.end].view(e.shape)
             if sharded:
