@@ -328,6 +328,26 @@ def _rank_sharded_optim_exchange() -> bool:
         finally:
             flat_optim.gather_flat, orig_optim.gather_flat = originals  # type: ignore[assignment]
         assert calls["gather"] == 0, (use_orig_params, calls)
+        if not use_orig_params:  # loads back by the reverse all-to-all, no DTensor gathered
+            fresh = FSDP(_Awkward(), use_orig_params=False)
+            fresh_optim = torch.optim.Adam(fresh.parameters(), lr=0.1)
+            full_value = flat_optim.full_value
+
+            def no_full(*args: Any, _full: Any = full_value) -> Any:
+                calls["gather"] += 1
+                return _full(*args)
+
+            flat_optim.full_value = no_full  # type: ignore[assignment]
+            try:
+                ckpt.load_optim_state_dict(fresh, fresh_optim, sharded)
+            finally:
+                flat_optim.full_value = full_value  # type: ignore[assignment]
+            assert calls["gather"] == 0, calls
+            reloaded = ckpt.optim_state_dict(fresh, fresh_optim, full=True)["state"]
+            assert reloaded.keys() == full["state"].keys()
+            for fqn, state in full["state"].items():
+                for key, value in state.items():
+                    assert torch.equal(reloaded[fqn][key], value), (fqn, key)
         assert sharded["state"].keys() == full["state"].keys() and full["state"]
         for fqn, state in full["state"].items():
             for key, value in state.items():

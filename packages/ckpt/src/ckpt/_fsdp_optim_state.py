@@ -25,8 +25,8 @@ forms above do not depend on the mode a checkpoint was written in.
 
 [Note: optimizer state collectives]
 Turning flat shards into per-parameter tensors gathers each unit for a full state
-dict, or moves them to chunks by an all-to-all for a sharded one (and each DTensor is
-gathered on load), so every function here is a collective: call it on every rank,
+dict, or moves them to chunks by an all-to-all for a sharded one (and back on load;
+other DTensors are gathered), so every function here is a collective: call it on every rank,
 with the same model and optimizer. Units are visited in the same order everywhere.
 """
 
@@ -40,17 +40,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from ckpt._fsdp_units import (
     UnitView,
     chunk_dtensor,
     full_value,
     gather_flat,
+    is_chunked_like_ours,
     to_dtensor,
     units_of,
 )
 from ckpt._orig_optim_state import load_orig_param_state, orig_unit_state
-from ckpt._unit_exchange import shard_to_chunks
+from ckpt._unit_exchange import chunks_to_shard, shard_to_chunks
 from flatparam import shard_flat
 from fsdp._common import clean_fqn
 from fsdp.api import OptimStateKeyType, StateDictType
@@ -284,15 +286,22 @@ def _flat_state_of_unit(
             first = values[0]
             out[key] = first.detach().clone() if isinstance(first, Tensor) else copy.deepcopy(first)
             continue
-        parts: list[Tensor] = []
         for e, v in zip(view.entries, values, strict=True):
-            full = full_value(v)  # collective for a DTensor: every rank, same order
-            if tuple(full.shape) != tuple(e.shape):
+            if not isinstance(v, Tensor) or tuple(v.shape) != tuple(e.shape):
+                got = f"shape {tuple(v.shape)}" if isinstance(v, Tensor) else type(v).__name__
                 raise ValueError(
-                    f"{what}: state {key!r} of {view.prefix + e.name} has shape "
-                    f"{tuple(full.shape)}, the parameter has {tuple(e.shape)}"
+                    f"{what}: state {key!r} of {view.prefix + e.name} has {got}, the "
+                    f"parameter has shape {tuple(e.shape)}"
                 )
-            parts.append(full.reshape(-1).to(flat_param.device))
+        group = view.unit.config.group
+        if view.unit.config.shard and all(is_chunked_like_ours(v, group) for v in values):
+            # Chunks as a sharded save made them: see [Note: a unit's bytes move once].
+            chunks = [v.to_local() for v in values if isinstance(v, DTensor)]
+            out[key] = chunks_to_shard(view.unit, chunks, view.entries, chunks[0].dtype)
+            continue
+        parts = [  # collective for a DTensor: every rank, same order
+            full_value(v).reshape(-1).to(flat_param.device) for v in values
+        ]
         flat = torch.cat(parts)
         if view.unit.config.shard:
             flat = shard_flat(flat, view.unit.layout, view.unit.config.rank)

@@ -134,16 +134,21 @@ def shard_to_chunks(
 
 
 def chunks_to_shard(
-    unit: FlatParamUnit, chunks: Sequence[Tensor], entries: Sequence[ParamEntry]
+    unit: FlatParamUnit,
+    chunks: Sequence[Tensor],
+    entries: Sequence[ParamEntry],
+    dtype: torch.dtype | None = None,
 ) -> Tensor:
     """This rank's padded flat shard from every rank's ``Shard(0)`` chunks of the entries.
 
     ``chunks[i]`` is this rank's chunk of ``entries[i]`` (shape from :func:`chunk_shape`);
     the padding comes back as zeros. A collective over the unit's group, the mirror
-    image of :func:`shard_to_chunks`. Returns a tensor on the FlatParameter's device.
+    image of :func:`shard_to_chunks`. Returns a tensor of ``dtype`` (the
+    FlatParameter's by default: optimizer state may differ) on the FlatParameter's
+    device.
     """
     cfg, size = unit.config, unit.layout.shard_numel
-    dtype = unit.flat_param.dtype
+    dtype = dtype or unit.flat_param.dtype
     mine = _chunk_intervals(entries, cfg.world_size, cfg.rank, scalars_everywhere=False)
     local = _cat(
         [
