@@ -98,6 +98,10 @@ def _rank(rank: int, rendezvous: str) -> None:
         loaded = [m for m in OTHERS if m in sys.modules]
         if loaded:
             raise AssertionError(f"zero_optim pulled in {loaded}")
+        # Both ranks done before either tears gloo down: a rank that destroyed its group
+        # while its peer still finished DDP's last reducer work aborted the peer (SIGABRT,
+        # "terminate called without an active exception") once under load in CI.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

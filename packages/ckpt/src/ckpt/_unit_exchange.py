@@ -84,6 +84,12 @@ def _overlaps(wanted: Sequence[Interval], lo: int, hi: int) -> list[tuple[int, i
     return out
 
 
+def _comm_device(group: Any, device: torch.device) -> torch.device:
+    """Where the exchange's tensors must be: gloo does send/recv and all-to-all on host
+    memory only, so a gloo group (also with CUDA tensors) stages through the CPU."""
+    return torch.device("cpu") if dist.get_backend(group) == "gloo" else device
+
+
 def _cat(parts: list[Tensor], like: Tensor) -> Tensor:
     return torch.cat(parts) if parts else like.new_empty(0)
 
@@ -111,7 +117,7 @@ def shard_to_chunks(
     chunks are fresh tensors on ``device`` that share no storage with each other.
     """
     cfg, size = unit.config, unit.layout.shard_numel
-    src = shard.detach().to(cfg.compute_device)
+    src = shard.detach().to(_comm_device(cfg.group, cfg.compute_device))
     mine = _chunk_intervals(entries, cfg.world_size, cfg.rank, scalars_everywhere=True)
     lo, hi = cfg.rank * size, (cfg.rank + 1) * size
     sends = []
@@ -149,13 +155,14 @@ def chunks_to_shard(
     """
     cfg, size = unit.config, unit.layout.shard_numel
     dtype = dtype or unit.flat_param.dtype
+    device = _comm_device(cfg.group, cfg.compute_device)
     mine = _chunk_intervals(entries, cfg.world_size, cfg.rank, scalars_everywhere=False)
     local = _cat(
         [
-            c.detach().reshape(-1)[: end - start].to(cfg.compute_device, dtype)
+            c.detach().reshape(-1)[: end - start].to(device, dtype)
             for c, (start, end) in zip(chunks, mine, strict=True)
         ],
-        torch.empty(0, dtype=dtype, device=cfg.compute_device),
+        torch.empty(0, dtype=dtype, device=device),
     )
     sends = [
         _cat([local[p : p + n] for p, _, n in _overlaps(mine, d * size, (d + 1) * size)], local)
@@ -167,7 +174,7 @@ def chunks_to_shard(
         for s in range(cfg.world_size)
     ]
     packed = _all_to_all(sends, [sum(n for *_, n in parts) for parts in theirs], cfg.group, local)
-    shard = torch.zeros(size, dtype=dtype, device=cfg.compute_device)
+    shard = torch.zeros(size, dtype=dtype, device=device)
     at = 0
     for parts in theirs:
         for _, offset, n in parts:
@@ -202,7 +209,7 @@ def gather_params_on_rank0(
     ranks = dist.get_process_group_ranks(cfg.group)
     if 0 not in ranks:
         return None
-    src = shard.detach().to(cfg.compute_device).contiguous()
+    src = shard.detach().to(_comm_device(cfg.group, cfg.compute_device)).contiguous()
     if not is_rank0:
         dist.send(src, dst=0, group=cfg.group)
         return None
