@@ -31,10 +31,10 @@ from benchmarks.common import (
     fmt_bytes,
     fmt_ms,
     launch,
-    median_step_s,
     peak_rss_bytes,
     ratio,
     time_round_robin,
+    timed_runs,
 )
 
 DESCRIPTION = "HYBRID_SHARD (2x2 mesh): ours vs torch FSDP1 HYBRID_SHARD and FSDP2 HSDP (GPT)"
@@ -165,16 +165,11 @@ def run(options: Options) -> list[Table]:
     """Time all variants together, measure each one's memory alone, tabulate."""
     model = QUICK_MODEL if options.quick else MODEL
     warmup, iters = (1, 3) if options.quick else (3, 30)
-    timed: dict[str, list[list[float]]] = {v: [[] for _ in range(WORLD_SIZE)] for v in VARIANTS}
-    for _ in range(options.repeats):
-        ranks = launch(_timing_rank, WORLD_SIZE, model, warmup, iters, timeout=1800)
-        for rank, result in enumerate(ranks):
-            for v in VARIANTS:
-                timed[v][rank] += result[v]["times"]
-    facts = ranks
+    times, facts = timed_runs(
+        _timing_rank, WORLD_SIZE, VARIANTS, model, warmup, iters, repeats=options.repeats
+    )
     memory = {v: launch(_memory_rank, WORLD_SIZE, v, model, timeout=600) for v in VARIANTS}
 
-    times = {v: median_step_s(timed[v]) for v in VARIANTS}
     rss = {v: max(r["peak_rss"] for r in memory[v]) for v in VARIANTS}
     table = Table(
         f"HSDP on GPT({', '.join(f'{k}={v}' for k, v in model.items())}), batch {BATCH}, "

@@ -29,10 +29,9 @@ from benchmarks.common import (
     Options,
     Table,
     fmt_ms,
-    launch,
-    median_step_s,
     ratio,
     time_round_robin,
+    timed_runs,
 )
 
 DESCRIPTION = "fsdp use_orig_params=True vs torch FSDP1 (same setting) vs FSDP2 (GPT, 2 ranks)"
@@ -164,14 +163,9 @@ def run(options: Options) -> list[Table]:
     """Time all variants together and tabulate."""
     model = QUICK_MODEL if options.quick else MODEL
     warmup, iters = (1, 3) if options.quick else (3, 30)
-    timed: dict[str, list[list[float]]] = {v: [[] for _ in range(WORLD_SIZE)] for v in VARIANTS}
-    for _ in range(options.repeats):
-        ranks = launch(_timing_rank, WORLD_SIZE, model, warmup, iters, timeout=1800)
-        for rank, result in enumerate(ranks):
-            for v in VARIANTS:
-                timed[v][rank] += result[v]["times"]
-    facts = ranks
-    times = {v: median_step_s(timed[v]) for v in VARIANTS}
+    times, facts = timed_runs(
+        _timing_rank, WORLD_SIZE, VARIANTS, model, warmup, iters, repeats=options.repeats
+    )
     table = Table(
         f"FSDP FULL_SHARD on GPT({', '.join(f'{k}={v}' for k, v in model.items())}), batch "
         f"{BATCH}, {WORLD_SIZE} ranks, gloo/CPU, AdamW: median of {iters * options.repeats} steps",

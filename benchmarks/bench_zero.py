@@ -30,10 +30,10 @@ from benchmarks.common import (
     fmt_bytes,
     fmt_ms,
     launch,
-    median_step_s,
     peak_rss_bytes,
     ratio,
     time_round_robin,
+    timed_runs,
 )
 
 DESCRIPTION = (
@@ -168,16 +168,11 @@ def run(options: Options) -> list[Table]:
     """Time all variants together, measure each one's memory alone, tabulate."""
     model = QUICK_MODEL if options.quick else MODEL
     warmup, iters = (1, 3) if options.quick else (3, 30)
-    timed: dict[str, list[list[float]]] = {v: [[] for _ in range(WORLD_SIZE)] for v in VARIANTS}
-    for _ in range(options.repeats):
-        ranks = launch(_timing_rank, WORLD_SIZE, model, warmup, iters, timeout=1800)
-        for rank, result in enumerate(ranks):
-            for v in VARIANTS:
-                timed[v][rank] += result[v]["times"]
-    facts = ranks  # the last timing run: every variant after warmup + iters steps
+    times, facts = timed_runs(
+        _timing_rank, WORLD_SIZE, VARIANTS, model, warmup, iters, repeats=options.repeats
+    )
     memory = {v: launch(_memory_rank, WORLD_SIZE, v, model, timeout=600) for v in VARIANTS}
 
-    times = {v: median_step_s(timed[v]) for v in VARIANTS}
     rss = {v: max(r["peak_rss"] for r in memory[v]) for v in VARIANTS}
     total_state = facts[0][DDP]["state_bytes"]  # plain AdamW: the whole state on every rank
     ideal = total_state / WORLD_SIZE

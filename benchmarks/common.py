@@ -245,6 +245,30 @@ def median_step_s(per_rank_times: Sequence[Sequence[float]]) -> float:
 # ------------------------------------------------------------------ reporting
 
 
+def timed_runs(
+    timing_rank: Callable[..., dict[str, dict[str, Any]]],
+    world_size: int,
+    variants: Sequence[str],
+    *args: Any,
+    repeats: int,
+    timeout: float = 1800.0,
+) -> tuple[dict[str, float], list[dict[str, dict[str, Any]]]]:
+    """Median step time per variant over ``repeats`` launches of ``timing_rank``, and the
+    per-rank results of the last launch (its facts: bytes, hashes, losses).
+
+    ``timing_rank(*args)`` returns, per variant, a dict with that rank's step ``"times"``;
+    the times of every rank and launch are pooled before the median is taken.
+    """
+    timed: dict[str, list[list[float]]] = {v: [[] for _ in range(world_size)] for v in variants}
+    ranks: list[dict[str, dict[str, Any]]] = []
+    for _ in range(repeats):
+        ranks = launch(timing_rank, world_size, *args, timeout=timeout)
+        for rank, result in enumerate(ranks):
+            for v in variants:
+                timed[v][rank] += result[v]["times"]
+    return {v: median_step_s(timed[v]) for v in variants}, ranks
+
+
 def fmt_ms(seconds: float) -> str:
     """Seconds as milliseconds with three significant digits."""
     return f"{seconds * 1e3:.3g} ms"
