@@ -33,10 +33,26 @@ def test_needs_a_process_group() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "error", "pattern"),
     [
-        ({"sharding_strategy": "FULL_SHARD"}, TypeError, "must be a ShardingStrategy"),
-        ({"mixed_precision": torch.bfloat16}, TypeError, "must be a MixedPrecision"),
-        ({"cpu_offload": True}, TypeError, "must be a CPUOffload"),
-        ({"backward_prefetch": "BACKWARD_PRE"}, TypeError, "must be a BackwardPrefetch or None"),
+        (
+            {"sharding_strategy": "FULL_SHARD"},
+            TypeError,
+            r"must be fsdp\.ShardingStrategy or torch\.distributed\.fsdp",
+        ),
+        (
+            {"mixed_precision": torch.bfloat16},
+            TypeError,
+            r"must be fsdp\.MixedPrecision or torch\.distributed\.fsdp",
+        ),
+        (
+            {"cpu_offload": True},
+            TypeError,
+            r"must be fsdp\.CPUOffload or torch\.distributed\.fsdp",
+        ),
+        (
+            {"backward_prefetch": "BACKWARD_PRE"},
+            TypeError,
+            r"must be fsdp\.BackwardPrefetch or torch\.distributed\.fsdp",
+        ),
     ],
 )
 def test_argument_errors(kwargs: dict[str, Any], error: type[Exception], pattern: str) -> None:
@@ -194,7 +210,7 @@ def double_backward() -> None:
 @case
 def int_device_without_cuda() -> None:
     if torch.cuda.is_available():
-        raise ValueError("names a CUDA device but CUDA is not available (skipped: CUDA present)")
+        raise RuntimeError("names a CUDA device but CUDA is not available (skipped: CUDA present)")
     FullyShardedDataParallel(nn.Linear(2, 2), device_id=0)
 
 
@@ -220,13 +236,16 @@ EXPECTED: dict[str, tuple[str, str]] = {
     "optimizer_before_wrapping": ("RuntimeError", "created before the model was wrapped"),
     "no_sync_on_nested": ("RuntimeError", r"no_sync\(\) must be called on the root"),
     "clip_on_nested": ("RuntimeError", r"clip_grad_norm_\(\) must be called on the root"),
-    "no_sync_during_forward": ("RuntimeError", "running inside a forward or backward pass"),
-    "clip_during_backward": ("RuntimeError", "running inside a forward or backward pass"),
+    "no_sync_during_forward": ("TrainingStateError", "running inside a forward or backward pass"),
+    "clip_during_backward": ("TrainingStateError", "running inside a forward or backward pass"),
     "summon_during_forward": (
-        "RuntimeError",
+        "TrainingStateError",
         "summon_full_params needs .* IDLE.*forward or backward",
     ),
-    "forward_inside_summon": ("RuntimeError", r"forward needs .* inside summon_full_params\(\)"),
+    "forward_inside_summon": (
+        "TrainingStateError",
+        r"forward needs .* inside summon_full_params\(\)",
+    ),
     "summon_with_grads": ("NotImplementedError", "with_grads=True.* use_orig_params=True"),
     "summon_rank0_writeback": ("ValueError", "Pass writeback=False"),
     "mixed_dtypes_in_unit": ("ValueError", r"must share one dtype.*torch\.float64: head\.weight"),
@@ -238,7 +257,7 @@ EXPECTED: dict[str, tuple[str, str]] = {
         "flattened.*Wrap both modules in one unit",
     ),
     "double_backward": ("RuntimeError", "gradients of gradients"),
-    "int_device_without_cuda": ("ValueError", "names a CUDA device but CUDA is not available"),
+    "int_device_without_cuda": ("RuntimeError", "names a CUDA device but CUDA is not available"),
     "comm_hook_not_callable": ("ValueError", "must be callable"),
     "inner_used_as_root_first": ("RuntimeError", "already ran as a root"),
 }

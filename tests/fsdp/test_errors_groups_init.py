@@ -262,7 +262,7 @@ EXPECTED: dict[str, tuple[str, str]] = {
         r"module 'inner' \(_NoReset\) has parameters or buffers on the meta device but no "
         r"reset_parameters\(\).*or pass param_init_fn=",
     ),
-    "param_init_fn_not_callable": ("TypeError", "param_init_fn must be a callable"),
+    "param_init_fn_not_callable": ("ValueError", "param_init_fn must be a callable"),
     "param_init_fn_leaves_meta": (
         "ValueError",
         r"\"'inner' \(_NoReset\)\.weight\".*still on the meta device: param_init_fn did not "

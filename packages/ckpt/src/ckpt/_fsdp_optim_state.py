@@ -54,6 +54,7 @@ from ckpt._fsdp_units import (
 from ckpt._orig_optim_state import load_orig_param_state, orig_unit_state
 from ckpt._unit_exchange import chunks_to_shard, shard_to_chunks
 from flatparam import shard_flat
+from fsdp import to_fsdp_type
 from fsdp._common import clean_fqn
 from fsdp.api import OptimStateKeyType, StateDictType
 
@@ -547,10 +548,9 @@ def rekey_optim_state_dict(
     full state dict between an fsdp model and an unwrapped one.
     """
     _no_optim_input(optim_input)
-    if not isinstance(optim_state_key_type, OptimStateKeyType):
-        raise TypeError(
-            f"optim_state_key_type must be an OptimStateKeyType, got {optim_state_key_type!r}"
-        )
+    optim_state_key_type = to_fsdp_type(
+        optim_state_key_type, OptimStateKeyType, "optim_state_key_type"
+    )
     keys = list(optim_state_dict["state"])
     if any(type(k) is not type(keys[0]) for k in keys):
         raise ValueError(f"the state dict mixes key types: {keys[:10]}")

@@ -15,7 +15,7 @@ from collections.abc import Generator
 
 from torch import nn
 
-from fsdp import FullyShardedDataParallel
+from fsdp import FullyShardedDataParallel, to_fsdp_type
 from fsdp.api import (
     FullOptimStateDictConfig,
     FullStateDictConfig,
@@ -58,10 +58,13 @@ def set_state_dict_type(
     ``FullStateDictConfig(rank0_only=True)`` is never silently ignored under
     ``SHARDED_STATE_DICT``.
     """
-    if not isinstance(state_dict_type, StateDictType):
-        raise TypeError(
-            f"state_dict_type must be a StateDictType (e.g. StateDictType.SHARDED_STATE_DICT), "
-            f"got {state_dict_type!r}"
+    # torch's types (Lightning passes them) become ours; anything else is a TypeError.
+    state_dict_type = to_fsdp_type(state_dict_type, StateDictType, "state_dict_type")
+    if state_dict_config is not None:
+        state_dict_config = to_fsdp_type(state_dict_config, StateDictConfig, "state_dict_config")
+    if optim_state_dict_config is not None:
+        optim_state_dict_config = to_fsdp_type(
+            optim_state_dict_config, OptimStateDictConfig, "optim_state_dict_config"
         )
     config_cls, optim_cls = _CONFIG[state_dict_type]
     config = config_cls() if state_dict_config is None else state_dict_config

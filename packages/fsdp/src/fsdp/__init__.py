@@ -5,7 +5,8 @@
 :mod:`fsdp.wrap`. See the package README for the design.
 """
 
-from fsdp._common import TrainingState
+from fsdp._common import TrainingState, TrainingStateError
+from fsdp._torch_types import to_fsdp_policy, to_fsdp_type
 from fsdp._version import __version__
 from fsdp.api import (
     BackwardPrefetch,
@@ -44,5 +45,8 @@ __all__ = [
     "StateDictSettings",
     "StateDictType",
     "TrainingState",
+    "TrainingStateError",
     "__version__",
+    "to_fsdp_policy",
+    "to_fsdp_type",
 ]

@@ -20,6 +20,7 @@ __all__ = [
     "FSDP_PREFIX",
     "FSDP_WRAPPED_MODULE",
     "TrainingState",
+    "TrainingStateError",
     "apply_to_tensors",
     "cast_floating_tensors",
     "clean_fqn",
@@ -46,6 +47,15 @@ class TrainingState(Enum):
     SUMMON_FULL_PARAMS = auto()
     """Inside ``summon_full_params`` (or ``apply`` or ``state_dict``): the original
     parameters are registered on their modules as full tensors."""
+
+
+class TrainingStateError(RuntimeError, ValueError):
+    """A method called in a training state that does not allow it.
+
+    A ``ValueError`` because torch's FSDP raises that for the same mistakes (code
+    written against torch catches it); a ``RuntimeError`` because that is what
+    ours raised before.
+    """
 
 
 CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."

@@ -47,6 +47,7 @@ from torch.utils.hooks import RemovableHandle
 
 from fsdp._common import (
     TrainingState,
+    TrainingStateError,
     apply_to_tensors,
     cast_floating_tensors,
     eager_only,
@@ -141,7 +142,7 @@ class FSDPState:
                 "(or apply()/state_dict()); exit that context first",
                 TrainingState.IDLE: "it is idle",
             }[self.training_state]
-            raise RuntimeError(
+            raise TrainingStateError(
                 f"{what} needs the FSDP instance in state "
                 f"{' or '.join(s.name for s in allowed_t)}, but {hint} "
                 f"(state {self.training_state.name})"

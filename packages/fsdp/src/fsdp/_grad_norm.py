@@ -77,9 +77,11 @@ def clip_grad_norm_(
     for g in grads:
         g.detach().mul_(coef.to(g.device, g.dtype))
     if not grads:
+        # The wording of torch's FSDP warning, which code may match on.
+        rank = dist.get_rank(group)  # type: ignore[arg-type]
         warnings.warn(
-            "clip_grad_norm_ called on a rank with no gradients; returning the total norm "
-            f"in {total.dtype}",
+            f"FSDP.clip_grad_norm_() called on rank {rank} with no gradients -- returning the "
+            f"total norm in the default dtype {total.dtype}",
             stacklevel=3,
         )
         return total

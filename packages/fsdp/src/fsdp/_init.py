@@ -28,6 +28,7 @@ __all__ = [
     "build_unit",
     "collect_unit_params",
     "install_optimizer_check",
+    "normalize_device_id",
     "resolve_compute_device",
 ]
 
@@ -39,23 +40,16 @@ def resolve_compute_device(
 ) -> torch.device:
     """Where forward and backward run.
 
-    ``device_id`` wins (an int means ``cuda:<int>``); else the device the
+    ``device_id`` wins (see :func:`normalize_device_id`); else the device the
     parameters are on, where a CPU module moves to the current CUDA device if
     there is one, as torch's FSDP does; CPU otherwise.
     """
     if device_id is not None:
-        if isinstance(device_id, int):
-            if not torch.cuda.is_available():
-                raise ValueError(
-                    f"device_id={device_id} names a CUDA device but CUDA is not available; pass "
-                    "device_id=torch.device('cpu') or leave it None"
-                )
-            return torch.device("cuda", device_id)
-        if not isinstance(device_id, torch.device):
-            raise TypeError(f"device_id must be an int or a torch.device, got {device_id!r}")
-        if device_id.type == "cuda" and getattr(device_id, "index", None) is None:
+        device = normalize_device_id(device_id)
+        assert device is not None
+        if device.type == "cuda" and getattr(device, "index", None) is None:
             return torch.device("cuda", torch.cuda.current_device())
-        return device_id
+        return device
     tensors = [*params, *buffers]
     if any(t.is_meta for t in tensors):  # materialize_unit ran before: a module hid them
         raise ValueError(
@@ -72,6 +66,31 @@ def resolve_compute_device(
     if device.type == "cpu" and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return device
+
+
+def normalize_device_id(device_id: object) -> torch.device | None:
+    """The constructor's ``device_id`` as a device: what torch's FSDP accepts, the same way.
+
+    A ``torch.device``, a string (``"cpu"``, ``"cuda:1"``) or an int (a CUDA
+    index), each through ``torch.device`` as torch's FSDP does, so a bad string
+    raises torch's own ``RuntimeError``. An int without CUDA raises
+    ``RuntimeError`` too (torch's type for it) with the fix.
+    """
+    if device_id is None or isinstance(device_id, torch.device):
+        return device_id
+    if isinstance(device_id, bool) or not isinstance(device_id, (int, str)):
+        raise TypeError(
+            f"device_id must be an int, a str or a torch.device, got {device_id!r} "
+            f"({type(device_id).__name__}); e.g. device_id=torch.device('cpu')"
+        )
+    if isinstance(device_id, int):
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                f"device_id={device_id} names a CUDA device but CUDA is not available; pass "
+                "device_id=torch.device('cpu') (or 'cpu') or leave it None"
+            )
+        return torch.device("cuda", device_id)
+    return torch.device(device_id)
 
 
 def collect_unit_params(

@@ -90,6 +90,11 @@ def _is_group(obj: object) -> bool:
     return isinstance(obj, dist.ProcessGroup)
 
 
+def _is_standalone_group(obj: object) -> bool:
+    """A process group, or a backend built by hand (``ProcessGroupGloo(store, rank, size)``)."""
+    return _is_group(obj) or isinstance(obj, torch._C._distributed_c10d.Backend)
+
+
 def _mesh_device_type() -> str:
     """The device type of an automatically built mesh: the default backend's device."""
     backend = str(dist.get_backend())
@@ -228,8 +233,19 @@ def resolve_process_groups(
     user wants: both arguments at once, a pair without a hybrid strategy, a
     single group with one, a mesh of the wrong dimension.
     """
-    _require_initialized()
     hybrid = strategy in HYBRID_STRATEGIES
+    if _is_standalone_group(process_group) and device_mesh is None and not hybrid:
+        # A group built by hand (ProcessGroupGloo(store, rank, size)) before, or without,
+        # init_process_group: torch's FSDP takes it, so ask the group itself.
+        return ProcessGroups(
+            shard_group=process_group,
+            shard_rank=process_group.rank(),
+            shard_size=process_group.size(),
+            replicate_group=None,
+            replicate_size=1,
+            device_mesh=None,
+        )
+    _require_initialized()
     if process_group is not None and device_mesh is not None:
         raise ValueError(
             "pass either process_group= or device_mesh= to FullyShardedDataParallel, not both "

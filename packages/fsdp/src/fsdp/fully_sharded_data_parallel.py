@@ -28,6 +28,7 @@ from fsdp._process_groups import HYBRID_STRATEGIES, resolve_process_groups
 from fsdp._state_dict import ckpt_module, register_state_dict_hooks
 from fsdp._summon import summon_full_params as _summon_full_params
 from fsdp._summon import summon_unit
+from fsdp._torch_types import to_fsdp_policy, to_fsdp_type
 from fsdp.api import (
     BackwardPrefetch,
     CPUOffload,
@@ -193,25 +194,29 @@ class FullyShardedDataParallel(nn.Module):
                 "this module is already wrapped by FullyShardedDataParallel; wrap each module "
                 "once (nest FSDP instances by wrapping inner modules first)"
             )
-        strategy = ShardingStrategy.FULL_SHARD if sharding_strategy is None else sharding_strategy
-        if not isinstance(strategy, ShardingStrategy):
-            raise TypeError(
-                f"sharding_strategy must be a ShardingStrategy, got {sharding_strategy!r}"
+        # torch's option types and policies become ours here; see [Note: torch option types].
+        if sharding_strategy is not None:
+            sharding_strategy = to_fsdp_type(
+                sharding_strategy, ShardingStrategy, "sharding_strategy"
             )
+        strategy = ShardingStrategy.FULL_SHARD if sharding_strategy is None else sharding_strategy
+        if mixed_precision is not None:
+            mixed_precision = to_fsdp_type(mixed_precision, MixedPrecision, "mixed_precision")
+        if cpu_offload is not None:
+            cpu_offload = to_fsdp_type(cpu_offload, CPUOffload, "cpu_offload")
+        user_mixed_precision = mixed_precision
         cpu_offload = CPUOffload() if cpu_offload is None else cpu_offload
         mixed_precision = MixedPrecision() if mixed_precision is None else mixed_precision
-        if not isinstance(cpu_offload, CPUOffload):
-            raise TypeError(f"cpu_offload must be a CPUOffload, got {cpu_offload!r}")
-        if not isinstance(mixed_precision, MixedPrecision):
-            raise TypeError(f"mixed_precision must be a MixedPrecision, got {mixed_precision!r}")
-        if backward_prefetch is not None and not isinstance(backward_prefetch, BackwardPrefetch):
-            raise TypeError(
-                f"backward_prefetch must be a BackwardPrefetch or None, got {backward_prefetch!r}"
+        if backward_prefetch is not None:
+            backward_prefetch = to_fsdp_type(
+                backward_prefetch, BackwardPrefetch, "backward_prefetch"
             )
+        auto_wrap_policy = to_fsdp_policy(auto_wrap_policy)
         if param_init_fn is not None and not callable(param_init_fn):
-            raise TypeError(
+            raise ValueError(  # torch's type for this mistake
                 f"param_init_fn must be a callable (module) -> None, got {param_init_fn!r}"
             )
+        device_id = _init.normalize_device_id(device_id)
         ignored = resolve_ignored(module, ignored_modules, ignored_states, _is_fsdp)
         groups = resolve_process_groups(process_group, device_mesh, strategy)
         _init.install_optimizer_check()
@@ -222,7 +227,9 @@ class FullyShardedDataParallel(nn.Module):
                 "sharding_strategy": sharding_strategy,
                 "cpu_offload": cpu_offload,
                 "backward_prefetch": backward_prefetch,
-                "mixed_precision": mixed_precision,
+                # The user's own (None if not given): as torch's FSDP, batch norm gets its own
+                # unit only when mixed precision was asked for.
+                "mixed_precision": user_mixed_precision,
                 "param_init_fn": param_init_fn,
                 "device_id": device_id,
                 "sync_module_states": sync_module_states,

@@ -1,0 +1,321 @@
+"""torch's option types, wrap policies and argument forms accepted as torch's FSDP1 accepts them.
+
+A script (or a library such as Lightning) written against torch's FSDP1 builds torch's
+own option objects and passes them to whichever class it was given; ours must take
+them and behave exactly as with our own types, and raise torch's exception types (or
+subclasses) and warnings for the same mistakes.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import warnings
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.fsdp as tfsdp
+import torch.distributed.fsdp.wrap as twrap
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+import fsdp
+from fsdp import FullyShardedDataParallel as FSDP  # noqa: N817 (torch's usual name)
+from fsdp import wrap
+from tests.fsdp._common import Block, batches, make_net, train
+from tests.ranks import run_ranks
+
+# --- conversion, no process group -----------------------------------------------------------
+
+
+def test_enums_convert_by_name() -> None:
+    for name in ("ShardingStrategy", "BackwardPrefetch", "StateDictType"):
+        for member in getattr(tfsdp, name):
+            ours = fsdp.to_fsdp_type(member, getattr(fsdp, name), "x")
+            assert type(ours) is getattr(fsdp, name) and ours.name == member.name
+    key = tfsdp.fully_sharded_data_parallel.OptimStateKeyType.PARAM_ID
+    assert fsdp.to_fsdp_type(key, fsdp.OptimStateKeyType, "x") is fsdp.OptimStateKeyType.PARAM_ID
+
+
+def test_configs_convert_field_by_field() -> None:
+    mp = tfsdp.MixedPrecision(
+        param_dtype=torch.bfloat16,
+        reduce_dtype=torch.float16,
+        buffer_dtype=torch.bfloat16,
+        keep_low_precision_grads=True,
+        cast_forward_inputs=True,
+        cast_root_forward_inputs=False,
+        _module_classes_to_ignore=(nn.LayerNorm,),
+    )
+    assert fsdp.to_fsdp_type(mp, fsdp.MixedPrecision, "mixed_precision") == fsdp.MixedPrecision(
+        torch.bfloat16, torch.float16, torch.bfloat16, True, True, False, (nn.LayerNorm,)
+    )
+    assert fsdp.to_fsdp_type(
+        tfsdp.CPUOffload(offload_params=True), fsdp.CPUOffload, "c"
+    ) == fsdp.CPUOffload(True)
+    # A subclass of the expected type comes back as our subclass.
+    full = fsdp.to_fsdp_type(
+        tfsdp.FullStateDictConfig(offload_to_cpu=True, rank0_only=True), fsdp.StateDictConfig, "s"
+    )
+    assert full == fsdp.FullStateDictConfig(offload_to_cpu=True, rank0_only=True)
+    optim = fsdp.to_fsdp_type(
+        tfsdp.ShardedOptimStateDictConfig(offload_to_cpu=False), fsdp.OptimStateDictConfig, "o"
+    )
+    assert type(optim) is fsdp.ShardedOptimStateDictConfig and not optim.offload_to_cpu
+    settings = tfsdp.StateDictSettings(
+        tfsdp.StateDictType.LOCAL_STATE_DICT,
+        tfsdp.LocalStateDictConfig(offload_to_cpu=True),
+        tfsdp.LocalOptimStateDictConfig(),
+    )
+    assert fsdp.to_fsdp_type(settings, fsdp.StateDictSettings, "s") == fsdp.StateDictSettings(
+        fsdp.StateDictType.LOCAL_STATE_DICT,
+        fsdp.LocalStateDictConfig(offload_to_cpu=True),
+        fsdp.LocalOptimStateDictConfig(),
+    )
+
+
+def test_wrong_types_name_both_accepted_types() -> None:
+    with pytest.raises(
+        TypeError,
+        match=r"sharding_strategy must be fsdp\.ShardingStrategy or "
+        r"torch\.distributed\.fsdp\.ShardingStrategy, got 1 \(builtins\.int\)",
+    ):
+        fsdp.to_fsdp_type(1, fsdp.ShardingStrategy, "sharding_strategy")
+    # torch's type, but the wrong one: still both names, and the torch type's full name.
+    with pytest.raises(TypeError, match=r"got .*torch\.distributed\.fsdp\.api\.CPUOffload"):
+        fsdp.to_fsdp_type(tfsdp.CPUOffload(), fsdp.MixedPrecision, "mixed_precision")
+    with pytest.raises(TypeError, match=r"got .*LocalStateDictConfig"):
+        fsdp.to_fsdp_type(tfsdp.LocalStateDictConfig(), fsdp.OptimStateDictConfig, "o")
+
+
+def test_policies_convert() -> None:
+    mwp = fsdp.to_fsdp_policy(twrap.ModuleWrapPolicy({Block}))
+    assert isinstance(mwp, wrap.ModuleWrapPolicy) and mwp._module_classes == {Block}
+    custom = fsdp.to_fsdp_policy(twrap.CustomPolicy(lambda m: isinstance(m, Block)))
+    assert isinstance(custom, wrap.CustomPolicy)
+    fn = fsdp.to_fsdp_policy(
+        functools.partial(twrap.transformer_auto_wrap_policy, transformer_layer_cls={Block})
+    )
+    assert fn.func is wrap.transformer_auto_wrap_policy and fn.keywords["transformer_layer_cls"]
+    size = fsdp.to_fsdp_policy(functools.partial(twrap.size_based_auto_wrap_policy, 10))
+    assert size.func is wrap.size_based_auto_wrap_policy and size.args == (10,)
+    assert fsdp.to_fsdp_policy(twrap.always_wrap_policy) is wrap.always_wrap_policy
+    either = fsdp.to_fsdp_policy(
+        functools.partial(twrap._or_policy, policies=[twrap.always_wrap_policy])
+    )
+    assert either.func is wrap._or_policy and either.keywords["policies"] == [
+        wrap.always_wrap_policy
+    ]
+
+
+# --- the same exception types as torch's FSDP ------------------------------------------------
+
+
+def _error_type(fn: Any) -> type[BaseException] | None:
+    try:
+        fn()
+    except Exception as e:  # the case under test
+        return type(e)
+    return None
+
+
+def _module(kwargs: dict[str, Any]) -> nn.Module:
+    # torch checks param_init_fn only when there is something to materialise.
+    return nn.Linear(2, 2, device="meta" if "param_init_fn" in kwargs else "cpu")
+
+
+def _build(cls: Any, kwargs: dict[str, Any]) -> None:
+    cls(_module(kwargs), **kwargs)
+
+
+def _constructor_errors_rank() -> list[tuple[str, str, str]]:
+    """(case, torch's exception type, ours) for each mistake, ours a subclass of torch's."""
+    cases: dict[str, dict[str, Any]] = {
+        "param_init_fn=42": {"param_init_fn": 42, "device_id": "cpu"},
+        "device_id=1.5": {"device_id": 1.5},
+        "device_id='bogus'": {"device_id": "bogus"},
+    }
+    if not torch.cuda.is_available():
+        cases["device_id=0 without CUDA"] = {"device_id": 0}
+    out = []
+    for name, kwargs in cases.items():
+        theirs = _error_type(functools.partial(_build, tfsdp.FullyShardedDataParallel, kwargs))
+        ours = _error_type(functools.partial(_build, FSDP, kwargs))
+        assert theirs is not None and ours is not None, (name, theirs, ours)
+        assert issubclass(ours, theirs), (name, theirs, ours)
+        out.append((name, theirs.__name__, ours.__name__))
+    # apply() inside summon_full_params: torch raises ValueError.
+    for cls in (tfsdp.FullyShardedDataParallel, FSDP):
+        model = cls(nn.Linear(2, 2), device_id="cpu")
+        with cls.summon_full_params(model), pytest.raises(ValueError, match=r"IDLE|expected"):
+            model.apply(lambda m: None)
+    return out
+
+
+def test_constructor_errors_match_torch() -> None:
+    (out,) = run_ranks(_constructor_errors_rank, 1)
+    assert [name for name, _, _ in out][:3] == [
+        "param_init_fn=42",
+        "device_id=1.5",
+        "device_id='bogus'",
+    ]
+
+
+def _device_id_forms_rank() -> list[str]:
+    devices = []
+    for device_id in ("cpu", torch.device("cpu"), None):
+        model = FSDP(make_net(), device_id=device_id)
+        devices.append(str(model.compute_device))
+        train(model, batches(1))
+    return devices
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_device_id_forms(world_size: int) -> None:
+    assert run_ranks(_device_id_forms_rank, world_size) == [["cpu"] * 3] * world_size
+
+
+def _clip_without_grads_rank() -> list[str]:
+    """Each rank's warnings from a clip with no gradient, torch's FSDP then ours."""
+    seen = []
+    for cls in (tfsdp.FullyShardedDataParallel, FSDP):
+        model = cls(make_net(), device_id="cpu")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.clip_grad_norm_(1.0)
+        seen.append(";".join(f"{type(w.message).__name__}: {w.message}" for w in caught))
+    return seen
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_clip_grad_norm_without_gradients_warns_as_torch(world_size: int) -> None:
+    out = run_ranks(_clip_without_grads_rank, world_size)
+    for rank, (theirs, ours) in enumerate(out):
+        if world_size == 1:  # NO_SHARD: both use torch.nn.utils.clip_grad_norm_, no warning
+            assert theirs == ours == "", out
+            continue
+        pattern = (
+            rf"UserWarning: .*clip_grad_norm_\(\) .*on rank {rank} with no gradients -- "
+            r"returning the total norm in the default dtype torch\.float32"
+        )
+        assert re.fullmatch(pattern, theirs) and re.fullmatch(pattern, ours), out
+
+
+def test_explicit_group_before_init_process_group() -> None:
+    """torch's FSDP takes a group built by hand without init_process_group; so does ours."""
+    assert not dist.is_initialized()
+    group = dist.ProcessGroupGloo(dist.HashStore(), 0, 1)
+    torch.manual_seed(0)
+    model = FSDP(nn.Linear(3, 3), process_group=group, device_id="cpu")
+    model(torch.randn(2, 3)).sum().backward()
+    assert (model.rank, model.world_size) == (0, 1)
+    assert model._flat_param.grad is not None
+    assert not dist.is_initialized()
+
+
+class _BNNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = Block(4)
+        self.bn = nn.BatchNorm1d(4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.bn(self.block(x)))
+
+
+def _units_rank() -> list[list[str]]:
+    out = []
+    for mp in (None, fsdp.MixedPrecision(param_dtype=torch.bfloat16)):
+        counts = []
+        for cls, policy, mixed in (
+            (tfsdp.FullyShardedDataParallel, twrap.ModuleWrapPolicy({Block}), mp and _torch_mp(mp)),
+            (FSDP, wrap.ModuleWrapPolicy({Block}), mp),
+        ):
+            torch.manual_seed(0)
+            model = cls(_BNNet(), auto_wrap_policy=policy, mixed_precision=mixed, device_id="cpu")
+            counts.append(
+                sorted(
+                    type(m.module).__name__  # type: ignore[union-attr]
+                    for m in cls.fsdp_modules(model)
+                )
+            )
+        assert counts[0] == counts[1], counts
+        out.append(counts[1])
+    return out
+
+
+def _torch_mp(mp: fsdp.MixedPrecision) -> tfsdp.MixedPrecision:
+    return tfsdp.MixedPrecision(param_dtype=mp.param_dtype)
+
+
+def test_batch_norm_gets_its_own_unit_only_with_mixed_precision() -> None:
+    """As torch's: the batch-norm override applies only when mixed_precision was passed."""
+    (out,) = run_ranks(_units_rank, 1)
+    assert out == [["Block", "_BNNet"], ["BatchNorm1d", "Block", "_BNNet"]]
+
+
+# --- training with torch's types equals training with ours ----------------------------------
+
+
+def _train_with(types: str, use_orig_params: bool) -> tuple[list[float], list[str], bool]:
+    t = tfsdp if types == "torch" else fsdp
+    w = twrap if types == "torch" else wrap
+    policies: list[Any] = [
+        w.ModuleWrapPolicy({Block}),
+        w.CustomPolicy(lambda m: {"backward_prefetch": None} if isinstance(m, Block) else False),
+        functools.partial(w.transformer_auto_wrap_policy, transformer_layer_cls={Block}),
+        functools.partial(w.size_based_auto_wrap_policy, min_num_params=100),
+    ]
+    losses: list[float] = []
+    for policy, strategy in zip(
+        policies,
+        [
+            t.ShardingStrategy.FULL_SHARD,
+            t.ShardingStrategy.SHARD_GRAD_OP,
+            t.ShardingStrategy.NO_SHARD,
+            t.ShardingStrategy.FULL_SHARD,
+        ],
+        strict=True,
+    ):
+        model = FSDP(
+            make_net(),
+            sharding_strategy=strategy,
+            auto_wrap_policy=policy,
+            backward_prefetch=t.BackwardPrefetch.BACKWARD_POST,
+            mixed_precision=t.MixedPrecision(reduce_dtype=torch.float32),
+            cpu_offload=t.CPUOffload(offload_params=False),
+            device_id="cpu",
+            use_orig_params=use_orig_params,
+        )
+        losses += train(model, batches(2))[0]
+    FSDP.set_state_dict_type(
+        model,
+        t.StateDictType.SHARDED_STATE_DICT,
+        t.ShardedStateDictConfig(offload_to_cpu=True),
+        t.ShardedOptimStateDictConfig(offload_to_cpu=True),
+    )
+    settings = FSDP.get_state_dict_type(model)
+    sd = model.state_dict()
+    with FSDP.state_dict_type(model, t.StateDictType.FULL_STATE_DICT, t.FullStateDictConfig()):
+        full_type = FSDP.get_state_dict_type(model).state_dict_type.name
+    return (
+        losses,
+        [settings.state_dict_type.name, type(settings.state_dict_config).__name__, full_type],
+        all(isinstance(v, DTensor) for k, v in sd.items() if k != "scale"),  # params only
+    )
+
+
+def _compare_rank(use_orig_params: bool) -> None:
+    ours = _train_with("ours", use_orig_params)
+    theirs = _train_with("torch", use_orig_params)
+    assert theirs == ours, (theirs, ours)
+    assert ours[1] == ["SHARDED_STATE_DICT", "ShardedStateDictConfig", "FULL_STATE_DICT"]
+    assert ours[2]
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_torch_types_train_exactly_as_ours(use_orig_params: bool) -> None:
+    run_ranks(_compare_rank, 2, use_orig_params, timeout=120)
