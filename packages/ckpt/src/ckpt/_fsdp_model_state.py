@@ -53,6 +53,7 @@ from ckpt._fsdp_units import (
     param_entries,
     to_dtensor,
 )
+from ckpt._loadable import loadable
 from ckpt._unit_exchange import chunks_to_shard, gather_params_on_rank0, shard_to_chunks
 from flatparam import shard_flat
 from fsdp._common import FLAT_PARAM, TrainingState
@@ -220,6 +221,7 @@ def local_shard_of(unit: FlatParamUnit, value: Any, key: str) -> Tensor:
     layout: a LOCAL state dict only loads at the world size (and model) that saved it.
     """
     world = unit.config.world_size if unit.config.shard else 1
+    value = loadable(value, key)
     if isinstance(value, DTensor):
         saved_world = value.device_mesh.size()
         if saved_world != world or value.placements != (Shard(0),):
@@ -292,7 +294,7 @@ def _shard_from_params(
         if key not in state_dict:
             missing.append(key)
             continue
-        values.append(state_dict.pop(key))
+        values.append(loadable(state_dict.pop(key), key))  # ShardedTensor, tensor-like
     if missing:
         missing_keys.extend(missing)
         return None

@@ -51,6 +51,7 @@ from ckpt._fsdp_units import (
     to_dtensor,
     units_of,
 )
+from ckpt._loadable import LoadableState
 from ckpt._orig_optim_state import load_orig_param_state, orig_unit_state
 from ckpt._unit_exchange import chunks_to_shard, shard_to_chunks
 from flatparam import shard_flat
@@ -326,6 +327,8 @@ def load_fsdp_optim_state_dict(
             "by parameter names (from optim_state_dict); got "
             f"{sorted(named) if isinstance(named, Mapping) else type(named).__name__}"
         )
+    # ShardedTensor and tensor-like values convert per parameter as the loop reaches them.
+    named = {**named, "state": LoadableState(named["state"])}
     slots = _slots(model)
     params = _optim_params(optim)
     names = [[fqn for p in ps for fqn in _slot_of(slots, p).fqns()] for ps in params]
