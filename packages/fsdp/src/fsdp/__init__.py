@@ -26,6 +26,7 @@ from fsdp.api import (
     StateDictType,
 )
 from fsdp.fully_sharded_data_parallel import FullyShardedDataParallel
+from fsdp.sharded_grad_scaler import ShardedGradScaler
 
 __all__ = [
     "BackwardPrefetch",
@@ -38,6 +39,7 @@ __all__ = [
     "MixedPrecision",
     "OptimStateDictConfig",
     "OptimStateKeyType",
+    "ShardedGradScaler",
     "ShardedOptimStateDictConfig",
     "ShardedStateDictConfig",
     "ShardingStrategy",
