@@ -8,6 +8,7 @@ training with it must follow DDP + ``torch.amp.GradScaler`` step for step.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
@@ -101,5 +102,5 @@ def test_fp16_training_follows_ddp_with_grad_scaler(kind: str) -> None:
     for ours, ddp in run_ranks(_parity_rank, 2, kind, timeout=120):
         scales = [s for _, s in ddp]
         # The run exercises both directions: overflows back off, clean steps grow.
-        assert scales[0] < 2.0**20 and any(b > a for a, b in zip(scales, scales[1:])), ddp
+        assert scales[0] < 2.0**20 and any(b > a for a, b in itertools.pairwise(scales)), ddp
         assert ours == ddp  # losses and scales, bitwise (sums of two ranks are exact)
