@@ -1,0 +1,118 @@
+"""Make libraries written for torch's FSDP1 use ours: :func:`install` and :func:`uninstall`.
+
+Lightning, accelerate and transformers' ``Trainer`` import ``FullyShardedDataParallel``,
+its option types, its wrap policies and ``ShardedGradScaler`` from
+``torch.distributed.fsdp`` (and its submodules ``api``, ``fully_sharded_data_parallel``,
+``wrap``, ``sharded_grad_scaler``). :func:`install` puts ours under those names in those
+modules, so a library that imports them afterwards gets ours, and one that imports
+them inside its functions (most do) gets ours from then on::
+
+    import fsdp.torch_compat
+
+    fsdp.torch_compat.install()  # before importing lightning / accelerate / transformers
+    import lightning as L
+
+Patching a library's imports this way is common practice (Liger-Kernel's
+``apply_liger_kernel_to_*`` does it for transformers). It is the one place in this
+package that imports torch's FSDP modules, and only to replace names in them.
+
+What stays torch's: torch's own internals, which bound torch's classes when
+``torch.distributed.fsdp`` was first imported (this module imports it before
+patching, so that is always before), and everything of FSDP2 (``fully_shard``).
+:func:`uninstall` puts torch's objects back; both are idempotent.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import fsdp
+from fsdp import sharded_grad_scaler, wrap
+
+__all__ = ["install", "installed", "uninstall"]
+
+_OPTION_TYPES = (
+    "BackwardPrefetch",
+    "CPUOffload",
+    "FullOptimStateDictConfig",
+    "FullStateDictConfig",
+    "LocalOptimStateDictConfig",
+    "LocalStateDictConfig",
+    "MixedPrecision",
+    "OptimStateDictConfig",
+    "ShardedOptimStateDictConfig",
+    "ShardedStateDictConfig",
+    "ShardingStrategy",
+    "StateDictConfig",
+    "StateDictSettings",
+    "StateDictType",
+)
+_WRAP_NAMES = (
+    "CustomPolicy",
+    "ModuleWrapPolicy",
+    "always_wrap_policy",
+    "enable_wrap",
+    "lambda_auto_wrap_policy",
+    "size_based_auto_wrap_policy",
+    "transformer_auto_wrap_policy",
+    "wrap",
+    "_or_policy",
+    "_module_wrap_policy",
+    "_wrap_module_cls_individually",
+)
+
+
+def _replacements() -> dict[str, dict[str, Any]]:
+    """torch module name -> {name: our object}."""
+    ours = {name: getattr(fsdp, name) for name in _OPTION_TYPES}
+    fsdp_names = {
+        **ours,
+        "FullyShardedDataParallel": fsdp.FullyShardedDataParallel,
+        "OptimStateKeyType": fsdp.OptimStateKeyType,
+    }
+    return {
+        "torch.distributed.fsdp": fsdp_names,
+        "torch.distributed.fsdp.api": ours,
+        "torch.distributed.fsdp.fully_sharded_data_parallel": fsdp_names,
+        "torch.distributed.fsdp.wrap": {name: getattr(wrap, name) for name in _WRAP_NAMES},
+        "torch.distributed.fsdp.sharded_grad_scaler": {
+            "ShardedGradScaler": sharded_grad_scaler.ShardedGradScaler
+        },
+    }
+
+
+_MISSING = object()
+# (module name, attribute) -> torch's object (or _MISSING), while installed.
+_saved: dict[tuple[str, str], Any] = {}
+
+
+def installed() -> bool:
+    """Whether :func:`install` is in effect."""
+    return bool(_saved)
+
+
+def install() -> None:
+    """Put our FSDP classes, option types, wrap policies and scaler under torch's names.
+
+    Call it before importing the library that should use them. Idempotent; undone by
+    :func:`uninstall`.
+    """
+    if _saved:
+        return
+    for module_name, names in _replacements().items():
+        module = importlib.import_module(module_name)
+        for name, obj in names.items():
+            _saved[(module_name, name)] = module.__dict__.get(name, _MISSING)
+            setattr(module, name, obj)
+
+
+def uninstall() -> None:
+    """Put torch's own objects back under their names. Idempotent."""
+    for (module_name, name), original in _saved.items():
+        module = importlib.import_module(module_name)
+        if original is _MISSING:
+            module.__dict__.pop(name, None)
+        else:
+            setattr(module, name, original)
+    _saved.clear()

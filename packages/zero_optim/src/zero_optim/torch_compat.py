@@ -1,0 +1,71 @@
+"""Make code written for torch's ZeRO use ours: :func:`install` and :func:`uninstall`.
+
+Puts our ``ZeroRedundancyOptimizer`` under torch's name in ``torch.distributed.optim``
+and ``torch.distributed.optim.zero_redundancy_optimizer``, and our DDP comm hooks
+(``hook_with_zero_step``, ``hook_with_zero_step_interleaved``) in
+``torch.distributed.algorithms.ddp_comm_hooks.ddp_zero_hook``, so that a library
+importing them afterwards (or inside its functions) gets ours::
+
+    import zero_optim.torch_compat
+
+    zero_optim.torch_compat.install()  # before importing the library
+
+The one place in this package that imports torch's ZeRO modules, only to replace
+names in them. torch's internals keep torch's classes (they bound them at import,
+which this module triggers before patching). :func:`uninstall` puts torch's objects
+back; both are idempotent.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import zero_optim
+
+__all__ = ["install", "installed", "uninstall"]
+
+
+def _replacements() -> dict[str, dict[str, Any]]:
+    """torch module name -> {name: our object}."""
+    optimizer = {"ZeroRedundancyOptimizer": zero_optim.ZeroRedundancyOptimizer}
+    return {
+        "torch.distributed.optim": optimizer,
+        "torch.distributed.optim.zero_redundancy_optimizer": optimizer,
+        "torch.distributed.algorithms.ddp_comm_hooks.ddp_zero_hook": {
+            "hook_with_zero_step": zero_optim.hook_with_zero_step,
+            "hook_with_zero_step_interleaved": zero_optim.hook_with_zero_step_interleaved,
+        },
+    }
+
+
+_MISSING = object()
+# (module name, attribute) -> torch's object (or _MISSING), while installed.
+_saved: dict[tuple[str, str], Any] = {}
+
+
+def installed() -> bool:
+    """Whether :func:`install` is in effect."""
+    return bool(_saved)
+
+
+def install() -> None:
+    """Put our ZeRO optimizer and DDP comm hooks under torch's names. Idempotent."""
+    if _saved:
+        return
+    for module_name, names in _replacements().items():
+        module = importlib.import_module(module_name)
+        for name, obj in names.items():
+            _saved[(module_name, name)] = module.__dict__.get(name, _MISSING)
+            setattr(module, name, obj)
+
+
+def uninstall() -> None:
+    """Put torch's own objects back under their names. Idempotent."""
+    for (module_name, name), original in _saved.items():
+        module = importlib.import_module(module_name)
+        if original is _MISSING:
+            module.__dict__.pop(name, None)
+        else:
+            setattr(module, name, original)
+    _saved.clear()
