@@ -547,7 +547,9 @@ def rekey_optim_state_dict(
     """Re-key a full optimizer state dict between FQNs and integer parameter ids.
 
     The ids are positions in ``optim``'s parameter groups (or ``model.parameters()``
-    order without ``optim``), the names are ``model``'s (unwrapped). Use it to move a
+    order without ``optim``), the names are ``model``'s (unwrapped); a flat parameter
+    takes one id per original parameter it holds, so ids and names map one to one and
+    a round trip (Lightning's Trainer saves by id) loses nothing. Use it to move a
     full state dict between an fsdp model and an unwrapped one.
     """
     _no_optim_input(optim_input)
@@ -562,15 +564,11 @@ def rekey_optim_state_dict(
         return optim_state_dict
     params = [p for ps in _optim_params(optim) for p in ps] if optim else list(model.parameters())
     slots = _slots(model)
-    id_to_name: dict[int, str] = {}
-    for i, p in enumerate(params):
-        fqns = _slot_of(slots, p).fqns()
-        if len(fqns) != 1:
-            raise ValueError(
-                "rekey_optim_state_dict maps integer ids to parameters one to one; this model's "
-                "optimizer steps flat parameters, so rekey against the unwrapped model"
-            )
-        id_to_name[i] = fqns[0]
+    # One id per original parameter, in the order the optimizer's parameters hold them: a
+    # flat parameter counts each original parameter it holds (torch's FSDP1 maps them all
+    # to one id, which loses state; Lightning's Trainer round-trips through these ids).
+    names = [fqn for p in params for fqn in _slot_of(slots, p).fqns()]
+    id_to_name: dict[int, str] = dict(enumerate(names))
     name_to_id = {n: i for i, n in id_to_name.items()}
     table: Mapping[Any, Any] = id_to_name if want_names else name_to_id
     try:
