@@ -1,4 +1,4 @@
-"""Sessions for the monorepo: tests, typecheck, lint, build, bench.
+"""Sessions for the monorepo: tests, compat, typecheck, lint, build, bench.
 
 torch is installed first in every session as ``torch==2.13.0`` (a CPU build that
 lies on local disk on our machines); set ``FSDP_TORCH_SPEC`` to install another
@@ -31,6 +31,8 @@ TYPE_DEPS = ["mypy==2.4.1", "pytest==9.2.0", "hypothesis==6.170.15", "numpy"]
 # What examples/train.py needs beyond the stack (its end-to-end test runs in `tests`).
 EXAMPLE_DEPS = ["rich==15.0.0", "matplotlib==3.11.2"]
 LINT_DEPS = ["ruff==0.17.6"]
+# The compat session: Lightning driving our FSDP through torch's names (tests/compat).
+COMPAT_DEPS = ["lightning==2.6.6"]
 
 nox.options.sessions = ["tests", "typecheck", "lint"]
 nox.options.reuse_existing_virtualenvs = True
@@ -50,7 +52,19 @@ def _install_stack(session: nox.Session, *extra: str) -> None:
 def tests(session: nox.Session) -> None:
     """All four packages installed (not editable) and pytest over tests/."""
     _install_stack(session, *TEST_DEPS, *EXAMPLE_DEPS)
-    session.run("pytest", "tests", *session.posargs, env={"OMP_NUM_THREADS": "1"})
+    # tests/compat needs lightning: the compat session runs it.
+    session.run(
+        "pytest", "tests", "--ignore=tests/compat", *session.posargs,
+        env={"OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+
+
+@nox.session
+def compat(session: nox.Session) -> None:
+    """PyTorch Lightning (Fabric and Trainer, FSDPStrategy) over our FSDP on 2 gloo ranks:
+    train, save, resume; losses against the uninterrupted run and torch's FSDP1."""
+    _install_stack(session, *TEST_DEPS, *COMPAT_DEPS)
+    session.run("pytest", "tests/compat", *session.posargs, env={"OMP_NUM_THREADS": "1"})
 
 
 @nox.session

@@ -319,3 +319,25 @@ def _compare_rank(use_orig_params: bool) -> None:
 @pytest.mark.parametrize("use_orig_params", [False, True])
 def test_torch_types_train_exactly_as_ours(use_orig_params: bool) -> None:
     run_ranks(_compare_rank, 2, use_orig_params, timeout=120)
+
+
+def _world_size_one_warning_rank() -> list[str]:
+    out = []
+    for cls in (tfsdp.FullyShardedDataParallel, FSDP):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            cls(nn.Linear(2, 2), device_id="cpu")
+        out.append(";".join(str(w.message) for w in caught if "NO_SHARD" in str(w.message)))
+    return out
+
+
+def test_world_size_one_warns_as_torch() -> None:
+    (out,) = run_ranks(_world_size_one_warning_rank, 1)
+    assert (
+        out[0]
+        == out[1]
+        == (
+            "FSDP is switching to use `NO_SHARD` instead of ShardingStrategy.FULL_SHARD since the "
+            "world size is 1."
+        )
+    ), out

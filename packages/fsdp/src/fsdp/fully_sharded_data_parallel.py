@@ -9,6 +9,7 @@ documents the API, which follows torch's FSDP1 argument for argument.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import Any
 
@@ -268,7 +269,14 @@ class FullyShardedDataParallel(nn.Module):
         buffers = _init.owned_buffers(module, _is_fsdp)
         compute_device = _init.resolve_compute_device(collected[1], buffers, device_id)
         if groups.shard_size == 1 and strategy is not ShardingStrategy.NO_SHARD:
-            strategy = ShardingStrategy.NO_SHARD  # as torch's FSDP: nothing to shard over
+            # As torch's FSDP, with its warning (code may filter on it): nothing to shard over.
+            warnings.warn(
+                f"FSDP is switching to use `NO_SHARD` instead of {strategy} since the world "
+                "size is 1.",
+                UserWarning,
+                stacklevel=2,
+            )
+            strategy = ShardingStrategy.NO_SHARD
         unit = _init.build_unit(
             collected,
             groups=groups,
