@@ -93,7 +93,7 @@ def test_state_dict_type_of_a_model_without_fsdp() -> None:
     assert settings.state_dict_type is ckpt.StateDictType.FULL_STATE_DICT
     with ckpt.state_dict_type(model, ckpt.StateDictType.SHARDED_STATE_DICT):
         assert set(model.state_dict()) == {"weight", "bias"}  # nothing to change
-    with pytest.raises(TypeError, match="must be a StateDictType"):
+    with pytest.raises(TypeError, match=r"must be fsdp\.StateDictType or torch\.distributed"):
         ckpt.set_state_dict_type(model, "SHARDED")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="LOCAL_STATE_DICT takes a LocalOptimStateDictConfig"):
         ckpt.set_state_dict_type(
