@@ -247,7 +247,7 @@ EXPECTED: dict[str, tuple[str, str]] = {
         r"forward needs .* inside summon_full_params\(\)",
     ),
     "summon_with_grads": ("NotImplementedError", "with_grads=True.* use_orig_params=True"),
-    "summon_rank0_writeback": ("ValueError", "Pass writeback=False"),
+    "summon_rank0_writeback": ("_RankZeroWritebackError", "Pass writeback=False"),
     "mixed_dtypes_in_unit": ("ValueError", r"must share one dtype.*torch\.float64: head\.weight"),
     "mixed_requires_grad_in_unit": ("ValueError", "all trainable or all frozen.*head.weight"),
     "shared_across_units": (

@@ -275,7 +275,10 @@ EXPECTED: dict[str, tuple[str, str]] = {
     ),
     "ignored_fsdp_instance": ("ValueError", "must not contain FullyShardedDataParallel"),
     "ignored_single_module": ("TypeError", r"got a single Linear; wrap it in a list"),
-    "ignored_not_modules": ("TypeError", r"ignored_modules must hold nn\.Modules, got \['int'\]"),
+    "ignored_not_modules": (
+        "_NotModulesError",
+        r"ignored_modules must hold nn\.Modules, got \['int'\]",
+    ),
     "ignored_root_warns": ("UserWarning", "is itself ignored"),
     "shared_between_root_and_child_unit": (
         "SharedParameterError",

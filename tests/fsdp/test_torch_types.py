@@ -146,6 +146,30 @@ def _constructor_errors_rank() -> list[tuple[str, str, str]]:
         assert theirs is not None and ours is not None, (name, theirs, ours)
         assert issubclass(ours, theirs), (name, theirs, ours)
         out.append((name, theirs.__name__, ours.__name__))
+    # Mistakes after construction, against models of each class.
+    for name, call in {
+        "summon rank0_only with writeback": lambda cls, m: cls.summon_full_params(
+            m, rank0_only=True, writeback=True
+        ).__enter__(),
+        "summon with_grads without use_orig_params": lambda cls, m: cls.summon_full_params(
+            m, with_grads=True
+        ).__enter__(),
+        "state-dict config of another type": lambda cls, m: cls.set_state_dict_type(
+            m, tfsdp.StateDictType.LOCAL_STATE_DICT, tfsdp.FullStateDictConfig()
+        ),
+        "comm hook not callable": lambda cls, m: m.register_comm_hook(None, 3),
+        "ignored_modules not modules": lambda cls, m: cls(
+            nn.Linear(2, 2), ignored_modules=[3], device_id="cpu"
+        ),
+    }.items():
+        types = []
+        for cls in (tfsdp.FullyShardedDataParallel, FSDP):
+            model = cls(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), device_id="cpu")
+            types.append(_error_type(functools.partial(call, cls, model)))
+        theirs, ours = types
+        assert theirs is not None and ours is not None, (name, theirs, ours)
+        assert issubclass(ours, theirs), (name, theirs, ours)
+        out.append((name, theirs.__name__, ours.__name__))
     # apply() inside summon_full_params: torch raises ValueError.
     for cls in (tfsdp.FullyShardedDataParallel, FSDP):
         model = cls(nn.Linear(2, 2), device_id="cpu")

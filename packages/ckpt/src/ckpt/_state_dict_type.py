@@ -38,6 +38,11 @@ _CONFIG: dict[StateDictType, tuple[type[StateDictConfig], type[OptimStateDictCon
 }
 
 
+class _ConfigMismatchError(TypeError, RuntimeError):
+    """A config of another state-dict type: torch's FSDP raises ``RuntimeError``, ours
+    raised ``TypeError``; both catch it."""
+
+
 def _default_settings() -> StateDictSettings:
     return StateDictSettings(
         StateDictType.FULL_STATE_DICT, FullStateDictConfig(), FullOptimStateDictConfig()
@@ -70,12 +75,12 @@ def set_state_dict_type(
     config = config_cls() if state_dict_config is None else state_dict_config
     optim_config = optim_cls() if optim_state_dict_config is None else optim_state_dict_config
     if type(config) is not config_cls:
-        raise TypeError(
+        raise _ConfigMismatchError(
             f"{state_dict_type.name} takes a {config_cls.__name__} as state_dict_config, got "
             f"{type(config).__name__}"
         )
     if type(optim_config) is not optim_cls:
-        raise TypeError(
+        raise _ConfigMismatchError(
             f"{state_dict_type.name} takes a {optim_cls.__name__} as optim_state_dict_config, "
             f"got {type(optim_config).__name__}"
         )

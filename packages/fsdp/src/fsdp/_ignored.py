@@ -38,6 +38,10 @@ class IgnoredStates:
     for_children: list[Any] | None  # ``ignored_states=`` for the units auto-wrapping creates
 
 
+class _NotModulesError(TypeError, ValueError):
+    """torch's FSDP raises ``ValueError`` for this; ours raised ``TypeError``."""
+
+
 def _as_list(value: Iterable[Any], name: str) -> list[Any]:
     single_module = isinstance(value, nn.Module) and not hasattr(type(value), "__iter__")
     if single_module or isinstance(value, nn.Parameter):
@@ -85,7 +89,7 @@ def resolve_ignored(
         roots = _as_list(ignored_modules, "ignored_modules")
         bad = sorted({type(m).__name__ for m in roots if not isinstance(m, nn.Module)})
         if bad:
-            raise TypeError(f"ignored_modules must hold nn.Modules, got {bad}")
+            raise _NotModulesError(f"ignored_modules must hold nn.Modules, got {bad}")
     wrapped = [type(m).__name__ for m in roots if is_fsdp(m)]
     if wrapped:
         raise ValueError(

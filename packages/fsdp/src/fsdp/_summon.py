@@ -81,6 +81,10 @@ def summon_unit(
         state.training_state = TrainingState.IDLE
 
 
+class _RankZeroWritebackError(NotImplementedError, ValueError):
+    """torch's FSDP raises ``NotImplementedError`` for this; ours raised ``ValueError``."""
+
+
 def _states_in_scope(module: nn.Module, recurse: bool) -> list[FSDPState]:
     """The FSDP instances a summon covers: all of them, or the outermost ones."""
     out: list[FSDPState] = []
@@ -121,7 +125,7 @@ def summon_full_params(  # noqa: PLR0917 (torch's FSDP signature)
                 "(as in torch's FSDP); pass offload_to_cpu=False"
             )
     if rank0_only and writeback:
-        raise ValueError(
+        raise _RankZeroWritebackError(
             "summon_full_params(rank0_only=True, writeback=True) is not supported: only rank 0 "
             "would hold full parameters, so writes could not be made consistent across ranks. "
             "Pass writeback=False."
