@@ -17,19 +17,22 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: N817
 
+from fsdp import CPUOffload, ShardedGradScaler
 from fsdp import FullyShardedDataParallel as FSDP  # noqa: N817
-from fsdp import ShardedGradScaler
 from fsdp.wrap import ModuleWrapPolicy
 from tests.fsdp._common import Block, batches, loss_fn, make_net
 from tests.ranks import run_ranks
 
 
-def _inf_in_one_shard_rank(scaler_kind: str, use_orig_params: bool) -> dict[str, Any]:
+def _inf_in_one_shard_rank(
+    scaler_kind: str, use_orig_params: bool, offload: bool = False
+) -> dict[str, Any]:
     model = FSDP(
         make_net(),
         auto_wrap_policy=ModuleWrapPolicy({Block}),
         device_id="cpu",
         use_orig_params=use_orig_params,
+        cpu_offload=CPUOffload(offload_params=offload),
     )
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler: torch.amp.GradScaler = (
@@ -51,9 +54,13 @@ def _inf_in_one_shard_rank(scaler_kind: str, use_orig_params: bool) -> dict[str,
     return {"stepped": stepped, "scale": scaler.get_scale()}
 
 
-@pytest.mark.parametrize("use_orig_params", [False, True])
-def test_inf_in_one_rank_shard_skips_the_step_on_every_rank(use_orig_params: bool) -> None:
-    out = run_ranks(_inf_in_one_shard_rank, 2, "sharded", use_orig_params)
+@pytest.mark.parametrize(
+    ("use_orig_params", "offload"), [(False, False), (True, False), (False, True)]
+)
+def test_inf_in_one_rank_shard_skips_the_step_on_every_rank(
+    use_orig_params: bool, offload: bool
+) -> None:
+    out = run_ranks(_inf_in_one_shard_rank, 2, "sharded", use_orig_params, offload)
     assert out == [{"stepped": False, "scale": 512.0}] * 2
 
 
