@@ -121,11 +121,20 @@ def _load_rank(kind: str, use_orig_params: bool) -> dict[str, Any]:
         configs = (tfsdp.StateDictType.FULL_STATE_DICT, tfsdp.FullStateDictConfig(), None)
     model, optim = _our_model(1, use_orig_params)
     LazyTensor.loads = 0
+    seen: list[int] = []  # loads so far, as each unit has loaded its entries
+    for unit in FSDP.fsdp_modules(model):
+        unit.register_load_state_dict_pre_hook(lambda *a: seen.append(LazyTensor.loads))
     with FSDP.state_dict_type(model, *configs):
         model.load_state_dict(msd)
+        unit_loads = list(seen)
         optim.load_state_dict(FSDP.optim_state_dict_to_load(model, optim, osd))
     loads = LazyTensor.loads
-    return {"losses": train(model, optim, 3, 6), "expected": expected, "loads": loads}
+    return {
+        "losses": train(model, optim, 3, 6),
+        "expected": expected,
+        "loads": loads,
+        "unit_loads": unit_loads,
+    }
 
 
 @pytest.mark.parametrize("kind", ["sharded", "lazy-full"])
@@ -134,7 +143,12 @@ def test_torch_state_dicts_load_and_resume(kind: str, use_orig_params: bool) -> 
     for out in run_ranks(_load_rank, 2, kind, use_orig_params, timeout=120):
         assert out["losses"] == out["expected"], out
         if kind == "lazy-full":
-            assert out["loads"] > 0, out
+            # Lazily, unit by unit: as each of the 4 units (root, 3 blocks) starts
+            # loading, only earlier units' values have been read (18 in all).
+            seen = out["unit_loads"]
+            assert len(seen) == 4 and seen == sorted(set(seen)), out
+            assert seen[0] == 0 and seen[-1] < 18, out
+            assert out["loads"] > 18, out  # then the optimizer state
 
 
 def _other_layout_rank() -> bool:
