@@ -280,10 +280,11 @@ def _surface_names_and_views() -> dict[str, Any]:
     model = _wrap_ours(net)
     after = list(model.named_parameters())
     model.check_is_root()  # lazy init: the shared context exists from here
-    flat_storages = {
-        s.unit.flat_param.untyped_storage().data_ptr()
+    flat_storages = {  # a unit's frozen part has a FlatParameter of its own
+        part.flat_param.untyped_storage().data_ptr()
         for s in model._fsdp_state.ctx.states
         if s.unit is not None
+        for part in s.unit.parts()
     }
     numels = torch.tensor([p.numel() for _, p in after])
     dist.all_reduce(numels)

@@ -17,6 +17,7 @@ from torch.nn.utils.rnn import PackedSequence
 
 __all__ = [
     "FLAT_PARAM",
+    "FROZEN_FLAT_PARAM",
     "FSDP_PREFIX",
     "FSDP_WRAPPED_MODULE",
     "TrainingState",
@@ -33,6 +34,10 @@ FSDP_PREFIX = FSDP_WRAPPED_MODULE + "."
 """What an FSDP instance inserts into the names of everything below it."""
 FLAT_PARAM = "_flat_param"
 """Name of the FlatParameter registered on an FSDP instance (as torch's does)."""
+FROZEN_FLAT_PARAM = "_flat_param_frozen"
+"""Name under which ckpt's state-dict types see a unit's frozen part's FlatParameter
+(``use_orig_params=True`` units that mix frozen and trainable parameters; see
+[Note: frozen part] in ``_flat_param_unit.py``)."""
 
 
 class TrainingState(Enum):

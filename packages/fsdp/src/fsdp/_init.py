@@ -283,11 +283,41 @@ def build_unit(
         replicate_size=replicate_size,
         use_orig_params=use_orig_params,
     )
-    unit = FlatParamUnit(infos, params, shared, config)
+    unit = _build_parts(infos, params, shared, config)
     owner = weakref.ref(visited[0])
     for info, p in zip(infos, params, strict=True):
         name = f"{info.module_name}.{info.param_name}" if info.module_name else info.param_name
         p.__dict__[_OWNER] = (owner, name)
+    return unit
+
+
+def _build_parts(
+    infos: list[ParamInfo],
+    params: list[nn.Parameter],
+    shared: list[SharedParamInfo],
+    config: UnitConfig,
+) -> FlatParamUnit:
+    """One FlatParamUnit, or a trainable one with a frozen part (see [Note: frozen part]).
+
+    Each parameter's tied aliases go with it into the part that holds it.
+    """
+    trainable = [p.requires_grad for p in params]
+    if all(trainable) or not any(trainable):
+        return FlatParamUnit(infos, params, shared, config)
+    grad_of = {
+        (id(i.module), i.param_name): p.requires_grad for i, p in zip(infos, params, strict=True)
+    }
+
+    def part(want: bool) -> FlatParamUnit:
+        return FlatParamUnit(
+            [i for i, t in zip(infos, trainable, strict=True) if t is want],
+            [p for p, t in zip(params, trainable, strict=True) if t is want],
+            [s for s in shared if grad_of[(id(s.prim_module), s.prim_param_name)] is want],
+            config,
+        )
+
+    unit = part(True)
+    unit.attach_frozen_part(part(False))
     return unit
 
 

@@ -508,21 +508,21 @@ class FullyShardedDataParallel(nn.Module):
         flat_ids: set[int] = set()
         all_no_shard = True
         for s in ctx.states:
-            unit = s.unit
-            if unit is None:
+            if s.unit is None:
                 continue
-            flat_ids.add(id(unit.flat_param))
-            all_no_shard = all_no_shard and not unit.config.shard
-            target = sharded if unit.config.shard else replicated
-            if unit.orig is not None:
-                # The gradients the optimizer will step: the original parameters'
-                # (views of the flat gradient unless the user replaced them).
-                flat_ids.update(id(p) for p in unit.orig.params)
-                target.extend(p.grad for p in unit.orig.params if p.grad is not None)
-                continue
-            grad = unit.flat_param.grad
-            if grad is not None:
-                target.append(grad)
+            for unit in s.unit.parts():
+                flat_ids.add(id(unit.flat_param))
+                all_no_shard = all_no_shard and not unit.config.shard
+                target = sharded if unit.config.shard else replicated
+                if unit.orig is not None:
+                    # The gradients the optimizer will step: the original parameters'
+                    # (views of the flat gradient unless the user replaced them).
+                    flat_ids.update(id(p) for p in unit.orig.params)
+                    target.extend(p.grad for p in unit.orig.params if p.grad is not None)
+                    continue
+                grad = unit.flat_param.grad
+                if grad is not None:
+                    target.append(grad)
         if all_no_shard:
             return torch.nn.utils.clip_grad_norm_(list(self.parameters()), max_norm, norm_type)
         for p in self.parameters():
