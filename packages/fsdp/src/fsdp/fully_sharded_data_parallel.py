@@ -216,6 +216,7 @@ class FullyShardedDataParallel(nn.Module):
         groups = resolve_process_groups(process_group, device_mesh, strategy)
         _init.install_optimizer_check()
 
+        tied: list[nn.Parameter] = []
         if auto_wrap_policy is not None:
             root_kwargs: dict[str, Any] = {
                 "process_group": process_group,
@@ -235,6 +236,9 @@ class FullyShardedDataParallel(nn.Module):
             if strategy in HYBRID_STRATEGIES and device_mesh is None:
                 # Every unit shares the root's groups (also those built automatically).
                 root_kwargs["process_group"] = (groups.shard_group, groups.replicate_group)
+            # A parameter used at several places goes to the innermost unit that contains
+            # all its uses, whatever units the policy makes (see [Note: tied parameters]).
+            tied = _init.mark_tied_params(module, _is_fsdp, ignored.params)
             try:
                 _auto_wrap(
                     module,
@@ -273,6 +277,8 @@ class FullyShardedDataParallel(nn.Module):
             use_orig_params=use_orig_params,
         )
         del collected  # the original parameters: free them before the enclosing unit is built
+        if auto_wrap_policy is not None:  # this constructor marked them
+            _init.clear_tied_marks(module, tied)
         self._fsdp_wrapped_module = module
         if unit is not None and not use_orig_params:
             self.register_parameter(FLAT_PARAM, unit.flat_param)
