@@ -6,6 +6,7 @@
 """
 
 from fsdp._common import TrainingState
+from fsdp._memory import MemoryEstimate, UnitSize, estimate_memory
 from fsdp._version import __version__
 from fsdp.api import (
     BackwardPrefetch,
@@ -34,6 +35,7 @@ __all__ = [
     "FullyShardedDataParallel",
     "LocalOptimStateDictConfig",
     "LocalStateDictConfig",
+    "MemoryEstimate",
     "MixedPrecision",
     "OptimStateDictConfig",
     "OptimStateKeyType",
@@ -44,5 +46,7 @@ __all__ = [
     "StateDictSettings",
     "StateDictType",
     "TrainingState",
+    "UnitSize",
     "__version__",
+    "estimate_memory",
 ]
