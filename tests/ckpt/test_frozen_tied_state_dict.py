@@ -77,7 +77,9 @@ def _rank_roundtrip(kind: str, orig: bool) -> dict[str, Any]:
     return out
 
 
-@pytest.mark.parametrize(("kind", "orig"), [("frozen", True), ("tied", False), ("tied", True)])
+@pytest.mark.parametrize(
+    ("kind", "orig"), [("frozen", True), ("frozen", False), ("tied", False), ("tied", True)]
+)
 def test_frozen_part_and_tied_units_resume_from_every_type(kind: str, orig: bool) -> None:
     for rank, results in enumerate(run_ranks(_rank_roundtrip, 2, kind, orig, timeout=240)):
         for name, r in results.items():

@@ -1,14 +1,13 @@
 """Frozen parameters cost no gradient bytes and take no part in the reduction.
 
-A unit that mixes frozen and trainable parameters (``use_orig_params=True``: a
-LoRA adapter inside the Linear it adapts) keeps exactly
+A unit that mixes frozen and trainable parameters (a LoRA adapter inside the
+Linear it adapts; either ``use_orig_params``) keeps exactly
 ``ceil(trainable_numel / world_size)`` gradient elements per rank
 (``trainable_numel`` unsharded for ``NO_SHARD``), counted on the flat gradients
 after backward and in the bytes each reduce-scatter/all-reduce sends; frozen
-units (either ``use_orig_params``) keep none. Every configuration trains like
-DDP (fp32) or like torch's FSDP1 with the same settings (mixed precision), and
-the frozen parameters do not move. See [Note: frozen part] in
-``fsdp/_flat_param_unit.py``.
+units keep none. Every configuration trains like DDP (fp32) or like torch's
+FSDP1 with the same settings (mixed precision), and the frozen parameters do
+not move. See [Note: frozen part] in ``fsdp/_flat_param_unit.py``.
 
 The byte count for the issue's model (4,194,304 parameters, 3/4 of every unit
 frozen) is asserted at 2 and 4 ranks: 2,097,152 and 1,048,576 bytes per rank.
@@ -72,6 +71,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "no_shard": {"strategy": "NO_SHARD"},
     "offload": {"offload": True},
     "bf16": {"mp": True},
+    "mixed_flat": {"orig": False, "mixed": True},
+    "mixed_flat_no_shard": {"orig": False, "mixed": True, "strategy": "NO_SHARD"},
     "frozen_units_flat": {"orig": False},
     "frozen_units_flat_shard_grad_op": {"orig": False, "strategy": "SHARD_GRAD_OP"},
 }
@@ -103,7 +104,7 @@ def _rank_configs() -> dict[str, dict[str, Any]]:
     data = batches(STEPS)
     out: dict[str, dict[str, Any]] = {}
     for name, cfg in CONFIGS.items():
-        make = _mixed_net if cfg.get("orig", True) else _frozen_units_net
+        make = _mixed_net if cfg.get("orig", True) or cfg.get("mixed") else _frozen_units_net
         ours = _wrap(fsdp, fsdp.wrap, make(), cfg)
         losses = train(ours, data)[0]
         # Under bf16 the reference computes in bf16 too: torch's FSDP1 with the same settings.

@@ -562,14 +562,6 @@ def _error_with_grads_offload() -> None:
         pass
 
 
-def _error_frozen_mix_without_orig() -> None:
-    import fsdp
-
-    net = make_net()
-    net.head.weight.requires_grad_(False)
-    fsdp.FullyShardedDataParallel(net, use_orig_params=False)
-
-
 VOCAB_DIM = (13, 6)  # head.weight's full shape
 
 ERRORS: dict[str, tuple[Callable[[], None], type[Exception], str]] = {
@@ -588,11 +580,6 @@ ERRORS: dict[str, tuple[Callable[[], None], type[Exception], str]] = {
         _error_with_grads_offload,
         NotImplementedError,
         "with_grads=True, offload_to_cpu=True",
-    ),
-    "frozen_mix_without_orig": (
-        _error_frozen_mix_without_orig,
-        ValueError,
-        "all trainable or all frozen.*pass use_orig_params=True",
     ),
 }
 

@@ -35,9 +35,10 @@ FSDP_PREFIX = FSDP_WRAPPED_MODULE + "."
 FLAT_PARAM = "_flat_param"
 """Name of the FlatParameter registered on an FSDP instance (as torch's does)."""
 FROZEN_FLAT_PARAM = "_flat_param_frozen"
-"""Name under which ckpt's state-dict types see a unit's frozen part's FlatParameter
-(``use_orig_params=True`` units that mix frozen and trainable parameters; see
-[Note: frozen part] in ``_flat_param_unit.py``)."""
+"""Name of a unit's frozen part's FlatParameter, for units that mix frozen and trainable
+parameters (see [Note: frozen part] in ``_flat_param_unit.py``): registered on the
+FSDP instance under ``use_orig_params=False``, shown to ckpt's state-dict types under
+``True``."""
 
 
 class TrainingState(Enum):

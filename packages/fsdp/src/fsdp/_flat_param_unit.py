@@ -45,19 +45,23 @@ A unit never puts trainable and frozen parameters in one flat tensor, because
 the gradient is laid out like the flat tensor: with a mix, every rank would
 hold (and reduce) gradient bytes for frozen elements too, which is what
 FSDP1 does (``use_orig_params=True`` with 3/4 of a unit frozen keeps 4x the
-gradient it needs). Instead, when a ``use_orig_params=True`` unit's
-parameters mix ``requires_grad`` (a LoRA adapter inside the Linear it adapts),
-``_init.build_unit`` makes two FlatParamUnits with one config: the *main*
-unit holds the trainable parameters, and its ``frozen_part`` holds the frozen
-ones, each flattened, padded and sharded on its own (so the main unit's
-gradient is exactly ``ceil(trainable_numel / world_size)`` elements per rank).
-The FSDP state only ever talks to the main unit: its state transitions
-(``unshard``, ``wait_for_unshard``, ``use_unsharded_views``, ``reshard``)
-carry the frozen part along, one extra all-gather per unit and no
-reduction. Code that reads a unit's flat tensors and metadata (summon, state
-dicts, ckpt) iterates :meth:`FlatParamUnit.parts`. A unit that is all
-frozen or all trainable has no frozen part, as before. Keys and optimizer
-entries do not change: the original parameters keep their names and objects.
+gradient it needs; with ``False`` it refuses the mix). Instead, when a unit's
+parameters mix ``requires_grad`` (a LoRA adapter inside the Linear it
+adapts), ``_init.build_unit`` makes two FlatParamUnits with one config: the
+*main* unit holds the trainable parameters, and its ``frozen_part`` holds the
+frozen ones, each flattened, padded and sharded on its own (so the main
+unit's gradient is exactly ``ceil(trainable_numel / world_size)`` elements
+per rank). The FSDP state only ever talks to the main unit: its state
+transitions (``unshard``, ``wait_for_unshard``, ``use_unsharded_views``,
+``reshard``) carry the frozen part along, one extra all-gather per unit and
+no reduction. Code that reads a unit's flat tensors and metadata (summon,
+state dicts, ckpt) iterates :meth:`FlatParamUnit.parts`. A unit that is all
+frozen or all trainable has no frozen part, as before. With
+``use_orig_params=True`` nothing visible changes: the original parameters
+keep their names and objects. With ``False`` the FSDP instance registers the
+frozen part's FlatParameter as ``_flat_param_frozen`` next to ``_flat_param``
+(``requires_grad=False``, so optimizers skip it); FULL and SHARDED state dicts
+keep the original keys, a LOCAL one has both flat keys.
 
 When nothing needs gathering or casting (``NO_SHARD`` or one rank, no mixed
 precision, no offload) the unit is *aliased*: ``_compute_param`` is

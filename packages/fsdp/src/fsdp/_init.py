@@ -341,9 +341,7 @@ def owned_buffers(module: nn.Module, is_fsdp: Callable[[nn.Module], bool]) -> li
     return out
 
 
-def _check_uniform(
-    infos: list[ParamInfo], params: list[nn.Parameter], use_orig_params: bool = False
-) -> None:
+def _check_uniform(infos: list[ParamInfo], params: list[nn.Parameter]) -> None:
     names = [f"{i.module_name}.{i.param_name}" if i.module_name else i.param_name for i in infos]
     dtypes: dict[torch.dtype, list[str]] = {}
     for n, p in zip(names, params, strict=True):
@@ -355,18 +353,6 @@ def _check_uniform(
             f"but this unit mixes {listing}. Cast the module to one dtype (module.to(dtype)) or "
             "wrap the differing submodule in its own FSDP unit; for low-precision compute use "
             "mixed_precision=MixedPrecision(param_dtype=...)"
-        )
-    if use_orig_params:
-        return  # frozen and trainable parameters may share a unit (see FlatParamUnit)
-    grads: dict[bool, list[str]] = {}
-    for n, p in zip(names, params, strict=True):
-        grads.setdefault(p.requires_grad, []).append(n)
-    if len(grads) > 1:
-        raise ValueError(
-            "with use_orig_params=False an FSDP unit's parameters must be all trainable or all "
-            f"frozen, but requires_grad=True for {', '.join(grads[True][:6])} and False for "
-            f"{', '.join(grads[False][:6])}. Wrap the frozen submodules in their own units, or "
-            "pass use_orig_params=True (which allows the mix)."
         )
 
 
@@ -413,7 +399,7 @@ def build_unit(
                     p.data = p.data.to(target)
     if not params:
         return None
-    _check_uniform(infos, params, use_orig_params)
+    _check_uniform(infos, params)  # frozen and trainable may mix: [Note: frozen part]
     shard = strategy is not ShardingStrategy.NO_SHARD and groups.shard_size > 1
     group, rank, world_size = groups.shard_group, groups.shard_rank, groups.shard_size
     replicate_group, replicate_size = groups.replicate_group, groups.replicate_size

@@ -26,7 +26,7 @@ from collections.abc import Generator
 
 from torch import Tensor, nn
 
-from fsdp._common import FLAT_PARAM, TrainingState
+from fsdp._common import FLAT_PARAM, FROZEN_FLAT_PARAM, TrainingState
 from fsdp._flat_param_unit import ShardState
 from fsdp._fsdp_state import FSDPState, get_fsdp_state
 
@@ -68,6 +68,7 @@ def summon_unit(
             fulls = [(full.cpu(), grad) for full, grad in fulls]
         fsdp_module = state.module
         registered_flat = fsdp_module._parameters.pop(FLAT_PARAM, None) is not None
+        fsdp_module._parameters.pop(FROZEN_FLAT_PARAM, None)
         for part, (full, full_grad) in zip(parts, fulls, strict=True):
             part.register_full_params(full, full_grad, with_grads)
         try:
@@ -81,6 +82,8 @@ def summon_unit(
                 part.unregister_full_params()
             if registered_flat:
                 fsdp_module._parameters[FLAT_PARAM] = unit.flat_param
+                if unit.frozen_part is not None:
+                    fsdp_module._parameters[FROZEN_FLAT_PARAM] = unit.frozen_part.flat_param
             if unit.state is not ShardState.SHARDED and not unit.aliased:
                 unit.reshard()
     finally:

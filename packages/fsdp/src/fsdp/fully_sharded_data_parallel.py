@@ -20,7 +20,13 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 )
 
 from fsdp import _grad_norm, _init
-from fsdp._common import FLAT_PARAM, FSDP_WRAPPED_MODULE, TrainingState, clean_fqn
+from fsdp._common import (
+    FLAT_PARAM,
+    FROZEN_FLAT_PARAM,
+    FSDP_WRAPPED_MODULE,
+    TrainingState,
+    clean_fqn,
+)
 from fsdp._deferred_init import has_meta_states, materialize_unit, modules_to_materialize
 from fsdp._fsdp_state import FSDPState, get_fsdp_state
 from fsdp._ignored import resolve_ignored
@@ -282,6 +288,8 @@ class FullyShardedDataParallel(nn.Module):
         self._fsdp_wrapped_module = module
         if unit is not None and not use_orig_params:
             self.register_parameter(FLAT_PARAM, unit.flat_param)
+            if unit.frozen_part is not None:  # see [Note: frozen part]
+                self.register_parameter(FROZEN_FLAT_PARAM, unit.frozen_part.flat_param)
         self._fsdp_state = FSDPState(
             self,
             unit,
