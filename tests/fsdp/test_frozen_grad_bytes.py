@@ -206,3 +206,51 @@ def test_issue_model_gradient_bytes(world_size: int) -> None:
         # FSDP1 (and we before) kept 8,388,608 B at 2 ranks: the whole flat gradient.
         assert r["grad_bytes"] == r["trainable"] * 4 // world_size, r
         assert r["grad_bytes"] == {2: 2_097_152, 4: 1_048_576}[world_size], r
+
+
+def _rank_hybrid() -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import fsdp
+    from fsdp.wrap import ModuleWrapPolicy
+
+    data = batches(STEPS)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    ours = fsdp.FullyShardedDataParallel(
+        _mixed_net(),
+        sharding_strategy=fsdp.ShardingStrategy.HYBRID_SHARD,
+        device_mesh=mesh,
+        auto_wrap_policy=ModuleWrapPolicy({Block}),
+        use_orig_params=True,
+    )
+    ddp = DDP(_mixed_net())
+    losses, ref_losses = train(ours, data)[0], train(ddp, data)[0]
+    x, y = data[0]
+    loss_fn(ours(x), y).backward()
+    grads = [
+        part.flat_param.grad
+        for s in ours._fsdp_state.ctx.states
+        if s.unit is not None
+        for part in s.unit.parts()
+        if part.flat_param.grad is not None
+    ]
+    return {
+        "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)),
+        "param_diff": max_diff(full_params(ours), full_params(ddp)),
+        "grad_bytes": sum(g.numel() * g.element_size() for g in grads),
+        # Sharded over the shard group of 2: ceil(T_u / 2) per unit.
+        "expected_grad_bytes": 4
+        * sum(math.ceil(t / 2) for t in _unit_trainable_numels(_mixed_net())),
+    }
+
+
+def _unit_trainable_numels(net: nn.Module) -> list[int]:
+    blocks = [sum(p.numel() for p in b.parameters() if p.requires_grad) for b in net.blocks]
+    everything = sum(p.numel() for p in net.parameters() if p.requires_grad)
+    return [t for t in [*blocks, everything - sum(blocks)] if t > 0]
+
+
+def test_hybrid_shard_frozen_parts() -> None:
+    for rank, r in enumerate(run_ranks(_rank_hybrid, 4, timeout=200)):
+        assert r["loss_diff"] <= 1e-5 and r["param_diff"] <= 1e-5, (rank, r)
+        assert r["grad_bytes"] == r["expected_grad_bytes"], (rank, r)
