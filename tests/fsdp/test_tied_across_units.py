@@ -179,3 +179,30 @@ def test_gpt2_tied_embeddings_in_different_units_train_like_ddp(orig: bool) -> N
         assert "transformer.wte" in r["units"] and "lm_head" in r["units"], r["units"]
         assert max(abs(a - b) for a, b in zip(r["losses"], r["ref_losses"], strict=True)) <= 1e-6
         assert r["param_diff"] <= 1e-6, r
+
+
+def _seq(device: str) -> nn.Module:
+    torch.manual_seed(0)
+    with torch.device(device):
+        net = nn.Sequential(nn.Embedding(13, 6), Block(), nn.Linear(6, 13))
+    net[2].weight = net[0].weight
+    return net
+
+
+def _rank_meta() -> dict[str, Any]:
+    import fsdp
+    from fsdp.wrap import ModuleWrapPolicy
+
+    policy = ModuleWrapPolicy({Block, nn.Embedding})
+    # Built on the meta device, each unit materialised in turn: the embedding's unit
+    # materialises the tied weight, the root keeps it for the head.
+    meta = fsdp.FullyShardedDataParallel(_seq("meta"), auto_wrap_policy=policy)
+    ref = _seq("cpu")
+    with fsdp.FullyShardedDataParallel.summon_full_params(meta):
+        tied = meta.module[2].weight is meta.module[0].module.weight
+    return {"tied": tied, "diff": max_diff(full_params(meta), full_params(ref))}
+
+
+def test_tied_across_units_on_the_meta_device_stay_tied() -> None:
+    for r in run_ranks(_rank_meta, 2, timeout=60):
+        assert r == {"tied": True, "diff": 0.0}, r

@@ -20,7 +20,7 @@ from torch import nn
 
 from flatparam import ParamInfo, SharedParamInfo
 from fsdp._common import clean_fqn
-from fsdp._deferred_init import IGNORED, broadcast_module_states
+from fsdp._deferred_init import IGNORED, TIED, broadcast_module_states
 from fsdp._flat_param_unit import FlatParamUnit, UnitConfig
 from fsdp._process_groups import ProcessGroups
 from fsdp.api import CPUOffload, MixedPrecision, ShardingStrategy
@@ -34,7 +34,7 @@ __all__ = [
 ]
 
 _MANAGED = "_fsdp_managed"  # set on every module whose parameters a unit took
-_TIED = "_fsdp_tied"  # on a parameter used at several places: its TiedUse (wrap time only)
+_TIED = TIED  # on a parameter used at several places: its TiedUse (wrap time only)
 _SHARED_MODULE = "_fsdp_shared_module"  # on a module at several places (wrap time only)
 
 _log = logging.getLogger("fsdp")
@@ -51,6 +51,7 @@ class TiedUse:
 
     paths: tuple[str, ...]
     module_paths: dict[int, list[str]]
+    sites: tuple[tuple[nn.Module, str], ...]  # (module, attribute name) of each use
 
     def all_under(self, module: nn.Module) -> bool:
         """Whether every use lies inside ``module``'s subtree (at one of its paths)."""
@@ -84,6 +85,7 @@ def mark_tied_params(
     are removed when the root unit is built (:func:`clear_tied_marks`).
     """
     uses: dict[int, list[str]] = {}
+    sites: dict[int, list[tuple[nn.Module, str]]] = {}
     by_id: dict[int, nn.Parameter] = {}
     module_paths: dict[int, list[str]] = {}
     for path, mod in root.named_modules(remove_duplicate=False):
@@ -99,12 +101,14 @@ def mark_tied_params(
             full = f"{clean}.{name}" if clean else name
             if full not in uses.setdefault(id(p), []):
                 uses[id(p)].append(full)
+            if not any(m is mod and n == name for m, n in sites.setdefault(id(p), [])):
+                sites[id(p)].append((mod, name))
             by_id[id(p)] = p
     marked = []
     for pid, paths in uses.items():
         if len(paths) > 1:
             p = by_id[pid]
-            p.__dict__[_TIED] = TiedUse(tuple(paths), module_paths)
+            p.__dict__[_TIED] = TiedUse(tuple(paths), module_paths, tuple(sites[pid]))
             marked.append(p)
     for mod in root.modules():
         if len(module_paths.get(id(mod), [])) > 1:
