@@ -38,6 +38,7 @@ _TIED = TIED  # on a parameter used at several places: its TiedUse (wrap time on
 _SHARED_MODULE = "_fsdp_shared_module"  # on a module at several places (wrap time only)
 
 _log = logging.getLogger("fsdp")
+_marked: list[nn.Parameter] = []  # parameters marked now (an auto-wrap with ties is running)
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,7 @@ def mark_tied_params(
     for mod in root.modules():
         if len(module_paths.get(id(mod), [])) > 1:
             mod.__dict__[_SHARED_MODULE] = True  # several units may walk it
+    _marked.extend(marked)
     return marked
 
 
@@ -120,6 +122,7 @@ def clear_tied_marks(root: nn.Module, params: list[nn.Parameter]) -> None:
     """Remove the marks :func:`mark_tied_params` set (wrapping is over)."""
     for p in params:
         p.__dict__.pop(_TIED, None)
+    _marked[:] = [p for p in _marked if _TIED in p.__dict__]
     for mod in root.modules():
         mod.__dict__.pop(_SHARED_MODULE, None)
 
@@ -240,6 +243,8 @@ def _adopt_tied(
     See [Note: tied parameters]: this unit is the innermost that contains every
     use, so it reaches into the nested units' modules for them.
     """
+    if not _marked:
+        return  # no tied parameters being wrapped: nothing to reach for
     names: dict[tuple[int, str], str] = {}
     found: list[tuple[str, nn.Module, str, nn.Parameter]] = []
     for path, mod in module.named_modules(remove_duplicate=False):

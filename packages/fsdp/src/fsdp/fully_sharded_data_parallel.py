@@ -256,7 +256,11 @@ class FullyShardedDataParallel(nn.Module):
                     ignored_params=ignored.params,
                 )
             except _init.SharedParameterError as e:
+                _init.clear_tied_marks(module, tied)
                 raise e.in_model(module) from None
+            except BaseException:
+                _init.clear_tied_marks(module, tied)
+                raise
 
         # Deferred initialisation: this unit's own modules, now that inner units are built.
         own_modules = modules_to_materialize(module, _is_fsdp)
