@@ -26,6 +26,7 @@ TEST_DEPS = [
     "hypothesis==6.170.15",
     "numpy",
     "transformers==5.23.0",
+    "peft==0.21.2",  # tests/fsdp/test_lora.py: LoRA on a Llama under use_orig_params=True
 ]
 TYPE_DEPS = ["mypy==2.4.1", "pytest==9.2.0", "hypothesis==6.170.15", "numpy"]
 # What examples/train.py needs beyond the stack (its end-to-end test runs in `tests`).

@@ -56,7 +56,7 @@ from ckpt._fsdp_units import (
 from ckpt._loadable import loadable
 from ckpt._unit_exchange import chunks_to_shard, gather_params_on_rank0, shard_to_chunks
 from flatparam import shard_flat
-from fsdp._common import FLAT_PARAM, TrainingState
+from fsdp._common import FLAT_PARAM, FROZEN_FLAT_PARAM, TrainingState
 from fsdp._flat_param_unit import FlatParamUnit
 from fsdp._fsdp_state import FSDPState, get_fsdp_state
 from fsdp._state_dict import buffer_orig_dtypes_by_key
@@ -91,10 +91,19 @@ def _settings(module: nn.Module) -> tuple[StateDictType, StateDictConfig]:
     return module._state_dict_type, module._state_dict_config  # type: ignore[return-value]
 
 
-def _unit_view(state: FSDPState, prefix: str) -> UnitView | None:
+def _unit_views(state: FSDPState, prefix: str) -> list[tuple[UnitView, str]]:
+    """Each part of the instance's unit with the key of its FlatParameter.
+
+    A unit's frozen part (fsdp's [Note: frozen part]) has its own FlatParameter,
+    under ``<prefix>_flat_param_frozen``; only LOCAL state dicts show that key.
+    """
     if state.unit is None:
-        return None
-    return UnitView(prefix, state, state.unit, param_entries(state.unit))
+        return []
+    keys = (prefix + FLAT_PARAM, prefix + FROZEN_FLAT_PARAM)
+    return [
+        (UnitView(prefix, state, part, param_entries(part)), key)
+        for part, key in zip(state.unit.parts(), keys, strict=False)
+    ]
 
 
 def _copy_out(t: Tensor, offload: bool) -> Tensor:
@@ -113,17 +122,16 @@ def post_state_dict(module: nn.Module, state_dict: dict[str, Any], prefix: str) 
     sd_type, config = _settings(module)
     offload = config.offload_to_cpu
     rank0_only = bool(getattr(config, "rank0_only", False))
-    view = _unit_view(state, prefix)
-    flat_key = prefix + FLAT_PARAM
-    flat_value = state_dict.pop(flat_key, None)
+    views = _unit_views(state, prefix)
     produced: dict[str, Any] = {}
-    if view is not None:
+    for view, flat_key in views:
+        state_dict.pop(flat_key, None)
         if sd_type is StateDictType.LOCAL_STATE_DICT:
             produced[flat_key] = _local_dtensor(view.unit, offload)
         else:
             produced.update(_unit_params(view, sd_type, offload, rank0_only))
-    else:
-        assert flat_value is None
+    if not views:
+        assert prefix + FLAT_PARAM not in state_dict
     _strip_inner_prefix(state, state_dict, prefix, offload)
     state_dict.update(produced)
     if rank0_only and dist.get_rank() != 0:
@@ -262,20 +270,21 @@ def pre_load_state_dict(
     state = _state(module)
     state.assert_state(TrainingState.IDLE, "load_state_dict")
     sd_type, _ = _settings(module)
-    view = _unit_view(state, prefix)
-    flat_key = prefix + FLAT_PARAM
-    shard: Tensor | None = None
-    if view is not None:
+    shards: list[tuple[UnitView, str, Tensor | None]] = []
+    for view, flat_key in _unit_views(state, prefix):
+        shard: Tensor | None = None
         if sd_type is StateDictType.LOCAL_STATE_DICT:
             if flat_key in state_dict:
                 shard = local_shard_of(view.unit, state_dict.pop(flat_key), flat_key)
         else:
             shard = _shard_from_params(view, state_dict, missing_keys, error_msgs)
+        shards.append((view, flat_key, shard))
     inner = inner_key(prefix)
+    flat_keys = {flat_key for _, flat_key, _ in shards}
     for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
-        if key != flat_key:
+        if key not in flat_keys:
             state_dict[inner + key[len(prefix) :]] = state_dict.pop(key)
-    if view is not None:
+    for view, flat_key, shard in shards:
         # Missing or mismatched entries were reported; keep the current values.
         state_dict[flat_key] = view.unit.flat_param.detach() if shard is None else shard
 

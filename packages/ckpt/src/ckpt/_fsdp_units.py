@@ -117,13 +117,15 @@ def param_entries(unit: FlatParamUnit) -> tuple[ParamEntry, ...]:
 
 
 def units_of(model: nn.Module) -> Iterator[UnitView]:
-    """Every FSDP instance in ``model`` that has a unit, in module (pre-)order."""
+    """Every FSDP instance's unit in ``model``, in module (pre-)order, each part apart."""
     for name, module in model.named_modules():
         state = get_fsdp_state(module)
         if state is None or state.unit is None:
             continue
         prefix = clean_fqn(name + ".") if name else ""
-        yield UnitView(prefix, state, state.unit, param_entries(state.unit))
+        # A unit's frozen part is a unit of its own here (fsdp's [Note: frozen part]).
+        for part in state.unit.parts():
+            yield UnitView(prefix, state, part, param_entries(part))
 
 
 def gather_flat(unit: FlatParamUnit, shard: Tensor) -> Tensor:

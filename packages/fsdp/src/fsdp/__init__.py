@@ -6,6 +6,7 @@
 """
 
 from fsdp._common import TrainingState, TrainingStateError
+from fsdp._memory import MemoryEstimate, UnitSize, estimate_memory
 from fsdp._torch_types import to_fsdp_policy, to_fsdp_type
 from fsdp._version import __version__
 from fsdp.api import (
@@ -36,6 +37,7 @@ __all__ = [
     "FullyShardedDataParallel",
     "LocalOptimStateDictConfig",
     "LocalStateDictConfig",
+    "MemoryEstimate",
     "MixedPrecision",
     "OptimStateDictConfig",
     "OptimStateKeyType",
@@ -48,7 +50,9 @@ __all__ = [
     "StateDictType",
     "TrainingState",
     "TrainingStateError",
+    "UnitSize",
     "__version__",
+    "estimate_memory",
     "to_fsdp_policy",
     "to_fsdp_type",
 ]

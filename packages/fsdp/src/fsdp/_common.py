@@ -17,6 +17,7 @@ from torch.nn.utils.rnn import PackedSequence
 
 __all__ = [
     "FLAT_PARAM",
+    "FROZEN_FLAT_PARAM",
     "FSDP_PREFIX",
     "FSDP_WRAPPED_MODULE",
     "TrainingState",
@@ -34,6 +35,11 @@ FSDP_PREFIX = FSDP_WRAPPED_MODULE + "."
 """What an FSDP instance inserts into the names of everything below it."""
 FLAT_PARAM = "_flat_param"
 """Name of the FlatParameter registered on an FSDP instance (as torch's does)."""
+FROZEN_FLAT_PARAM = "_flat_param_frozen"
+"""Name of a unit's frozen part's FlatParameter, for units that mix frozen and trainable
+parameters (see [Note: frozen part] in ``_flat_param_unit.py``): registered on the
+FSDP instance under ``use_orig_params=False``, shown to ckpt's state-dict types under
+``True``."""
 
 
 class TrainingState(Enum):

@@ -21,7 +21,11 @@ not it holds states directly) and must materialise what it needs.
 silently untie parameters shared between modules (tied embeddings): each
 module would get its own copy. After materialising, every group of names that
 shared one meta parameter is tied again to the first name's new parameter
-(module order), as the model was built.
+(module order), as the model was built. A parameter tied to modules of other
+units (marked by the root's auto-wrap, see [Note: tied parameters] in
+``_init.py``) is materialised by the first unit that holds one of its uses
+and replaces the meta parameter at every use; a later unit keeps that
+parameter when it materialises its own modules.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ __all__ = [
 ]
 
 IGNORED = "_fsdp_ignored"  # set on every module in an ignored subtree (see _ignored.py)
+TIED = "_fsdp_tied"  # on a parameter used in several places, while wrapping (see _init.py)
 _BROADCAST_BUCKET_BYTES = 250 * 2**20  # one broadcast per this many bytes of same-dtype states
 
 
@@ -104,10 +109,18 @@ def materialize_unit(
     """
     # Which (module, name) pairs share one parameter, to tie them again afterwards.
     tied: dict[int, list[tuple[nn.Module, str]]] = {}
+    marks: dict[int, Any] = {}  # id(meta parameter) -> its TIED mark (tied across units)
+    # Tied to another unit that materialised it already: the parameter and its data
+    # (to_empty may swap a real parameter's .data in place, and reset() re-initialise it).
+    real: dict[tuple[int, str], tuple[nn.Parameter, Tensor]] = {}
     for m in modules:
         for name, p in m._parameters.items():
             if p is not None:
                 tied.setdefault(id(p), []).append((m, name))
+                if TIED in p.__dict__:
+                    marks[id(p)] = p.__dict__[TIED]
+                if not p.is_meta and TIED in p.__dict__:
+                    real[(id(m), name)] = (p, p.data)
     with torch.no_grad():
         if param_init_fn is not None:
             if not callable(param_init_fn):
@@ -130,11 +143,24 @@ def materialize_unit(
                     )
                 m.to_empty(device=device, recurse=False)
                 reset()
-    for owners in tied.values():
+    for m in modules:  # a module's reset must not replace what another unit materialised
+        for name in list(m._parameters):
+            kept = real.get((id(m), name))
+            if kept is not None:
+                kept[0].data = kept[1]
+                m._parameters[name] = kept[0]
+    for old_id, owners in tied.items():
         first_module, first_name = owners[0]
         first = first_module._parameters[first_name]
+        assert first is not None
         for m, name in owners[1:]:
             if m._parameters.get(name) is not first:
+                m._parameters[name] = first
+        mark = marks.get(old_id)
+        if mark is not None and first.__dict__.get(TIED) is not mark:
+            # Tied to modules of other units too: they share the new parameter (and its mark).
+            first.__dict__[TIED] = mark
+            for m, name in mark.sites:
                 m._parameters[name] = first
     left = [
         f"{_describe(m, root)}.{name}"

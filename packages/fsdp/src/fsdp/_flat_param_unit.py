@@ -40,6 +40,29 @@ all, laid out as in [Note: flat parameter views] of flatparam) over
   parameter views] in ``_orig_params.py``), and the gathered views shadow them
   only while the unit is unsharded.
 
+[Note: frozen part]
+A unit never puts trainable and frozen parameters in one flat tensor, because
+the gradient is laid out like the flat tensor: with a mix, every rank would
+hold (and reduce) gradient bytes for frozen elements too, which is what
+FSDP1 does (``use_orig_params=True`` with 3/4 of a unit frozen keeps 4x the
+gradient it needs; with ``False`` it refuses the mix). Instead, when a unit's
+parameters mix ``requires_grad`` (a LoRA adapter inside the Linear it
+adapts), ``_init.build_unit`` makes two FlatParamUnits with one config: the
+*main* unit holds the trainable parameters, and its ``frozen_part`` holds the
+frozen ones, each flattened, padded and sharded on its own (so the main
+unit's gradient is exactly ``ceil(trainable_numel / world_size)`` elements
+per rank). The FSDP state only ever talks to the main unit: its state
+transitions (``unshard``, ``wait_for_unshard``, ``use_unsharded_views``,
+``reshard``) carry the frozen part along, one extra all-gather per unit and
+no reduction. Code that reads a unit's flat tensors and metadata (summon,
+state dicts, ckpt) iterates :meth:`FlatParamUnit.parts`. A unit that is all
+frozen or all trainable has no frozen part, as before. With
+``use_orig_params=True`` nothing visible changes: the original parameters
+keep their names and objects. With ``False`` the FSDP instance registers the
+frozen part's FlatParameter as ``_flat_param_frozen`` next to ``_flat_param``
+(``requires_grad=False``, so optimizers skip it); FULL and SHARDED state dicts
+keep the original keys, a LOCAL one has both flat keys.
+
 When nothing needs gathering or casting (``NO_SHARD`` or one rank, no mixed
 precision, no offload) the unit is *aliased*: ``_compute_param`` is
 ``flat_param`` itself, no extra storage exists, gradients accumulate straight
@@ -173,7 +196,7 @@ class FlatParamUnit:
     _placeholders: list[Tensor]  # meta tensors, one per original parameter
     _divide: tuple[float, float]  # (pre, post) gradient division factors
     orig: OrigParams | None  # the original parameters under use_orig_params, else None
-    _frozen: list[bool] | None  # per parameter, when a use_orig_params unit mixes frozen ones
+    frozen_part: FlatParamUnit | None  # the frozen parameters of a mixed unit ([Note: frozen part])
 
     def __init__(
         self,
@@ -186,14 +209,13 @@ class FlatParamUnit:
             raise ValueError("FlatParamUnit needs one ParamInfo per parameter, at least one")
         self.config = config
         requires_grad = params[0].requires_grad
-        self._frozen = None
+        self.frozen_part = None
+        if any(p.requires_grad != requires_grad for p in params):
+            raise ValueError(
+                "FlatParamUnit needs parameters that are all trainable or all frozen; "
+                "build the frozen ones as the main unit's frozen_part (see [Note: frozen part])"
+            )
         if config.use_orig_params:
-            # Frozen and trainable parameters may share a unit: the flat parameter
-            # trains, the frozen ones' views are detached (no gradient flows to them).
-            frozen = [not p.requires_grad for p in params]
-            requires_grad = not all(frozen)
-            if any(frozen) and requires_grad:
-                self._frozen = frozen
             flat = FlatParameter([p.detach() for p in params], requires_grad=requires_grad)
         else:
             flat = FlatParameter(list(params), requires_grad=requires_grad)
@@ -266,14 +288,27 @@ class FlatParamUnit:
 
     @property
     def requires_grad(self) -> bool:
-        """Whether the unit's parameters are trainable (all or none, by construction)."""
+        """Whether the unit's main parameters are trainable (all or none, by construction)."""
         return self.flat_param.requires_grad
+
+    def parts(self) -> list[FlatParamUnit]:
+        """This unit and its frozen part if it has one (see [Note: frozen part])."""
+        return [self] if self.frozen_part is None else [self, self.frozen_part]
+
+    def attach_frozen_part(self, frozen: FlatParamUnit) -> None:
+        """Make ``frozen`` (a unit of frozen parameters) follow this unit's transitions."""
+        if not self.requires_grad or frozen.requires_grad or frozen.frozen_part is not None:
+            raise ValueError("attach_frozen_part: need a trainable unit and a frozen one")
+        if frozen.config != self.config:
+            raise ValueError("attach_frozen_part: both parts must share one UnitConfig")
+        self.frozen_part = frozen
 
     def unsharded_storage_bytes(self) -> int:
         """Bytes of gathered parameter storage this unit holds right now (0 when SHARDED)."""
+        extra = 0 if self.frozen_part is None else self.frozen_part.unsharded_storage_bytes()
         if self._padded_unsharded is None:
-            return 0
-        return int(self._padded_unsharded.untyped_storage().nbytes())
+            return extra
+        return int(self._padded_unsharded.untyped_storage().nbytes()) + extra
 
     def iter_param_infos(self) -> Sequence[ParamInfo]:
         """Where each original parameter lived (module, name), in flat order."""
@@ -289,6 +324,8 @@ class FlatParamUnit:
         """
         if self.state is not ShardState.SHARDED:
             return
+        if self.frozen_part is not None:
+            self.frozen_part.unshard()
         if self.aliased:
             self.state = ShardState.UNSHARDED
             return
@@ -321,6 +358,8 @@ class FlatParamUnit:
 
     def wait_for_unshard(self) -> None:
         """Finish the gather (UNSHARDING -> UNSHARDED); the unit must not be SHARDED."""
+        if self.frozen_part is not None:
+            self.frozen_part.wait_for_unshard()
         if self.state is ShardState.UNSHARDING:
             assert self._pending_unshard is not None
             self._pending_unshard.wait()
@@ -339,11 +378,11 @@ class FlatParamUnit:
         """
         if self.state is not ShardState.UNSHARDED:
             raise AssertionError(f"use_unsharded_views in state {self.state.name}")
+        if self.frozen_part is not None:
+            self.frozen_part.use_unsharded_views()
         flat = self.flat_param
         data = None if self.aliased else self._compute_param
         views = list(flat.get_param_views(external_data=data))
-        if self._frozen is not None:
-            views = [v.detach() if f else v for v, f in zip(views, self._frozen, strict=True)]
         for info, view in zip(flat._param_infos, views, strict=True):
             info.module.__dict__[info.param_name] = view
         if flat._shared_param_infos:
@@ -375,6 +414,8 @@ class FlatParamUnit:
 
     def reshard(self) -> None:
         """Free the gathered parameters (-> SHARDED); waits for an in-flight gather first."""
+        if self.frozen_part is not None:
+            self.frozen_part.reshard()
         if self.state is ShardState.SHARDED:
             return
         if self.state is ShardState.UNSHARDING:

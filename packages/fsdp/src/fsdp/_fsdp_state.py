@@ -245,8 +245,10 @@ class FSDPState:
             ctx.exec_order.record_pre_forward(self)
         unit = self.unit
         if unit is not None:
+            for part in unit.parts():  # a frozen part too ([Note: frozen part])
+                if part.orig is not None:
+                    part.orig.sync_data()
             if unit.orig is not None:
-                unit.orig.sync_data()
                 unit.orig.sync_grads()
             if unit.state is ShardState.SHARDED:
                 ctx.limiter.throttle()

@@ -8,8 +8,10 @@ results. Nothing here runs after construction.
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,7 +20,7 @@ from torch import nn
 
 from flatparam import ParamInfo, SharedParamInfo
 from fsdp._common import clean_fqn
-from fsdp._deferred_init import IGNORED, broadcast_module_states
+from fsdp._deferred_init import IGNORED, TIED, broadcast_module_states
 from fsdp._flat_param_unit import FlatParamUnit, UnitConfig
 from fsdp._process_groups import ProcessGroups
 from fsdp.api import CPUOffload, MixedPrecision, ShardingStrategy
@@ -33,6 +35,97 @@ __all__ = [
 ]
 
 _MANAGED = "_fsdp_managed"  # set on every module whose parameters a unit took
+_TIED = TIED  # on a parameter used at several places: its TiedUse (wrap time only)
+_SHARED_MODULE = "_fsdp_shared_module"  # on a module at several places (wrap time only)
+
+_log = logging.getLogger("fsdp")
+_marked: list[nn.Parameter] = []  # parameters marked now (an auto-wrap with ties is running)
+
+
+@dataclass(frozen=True)
+class TiedUse:
+    """Where one parameter is used in the model being wrapped (see [Note: tied parameters]).
+
+    ``paths`` holds one ``"<module path>.<name>"`` per use, in the unwrapped model's
+    names; ``module_paths`` maps ``id(module)`` to every path of that module in the
+    model (a module shared by two blocks has two), for the modules of the whole tree.
+    """
+
+    paths: tuple[str, ...]
+    module_paths: dict[int, list[str]]
+    sites: tuple[tuple[nn.Module, str], ...]  # (module, attribute name) of each use
+
+    def all_under(self, module: nn.Module) -> bool:
+        """Whether every use lies inside ``module``'s subtree (at one of its paths)."""
+        for base in self.module_paths.get(id(module), []):
+            prefix = base + "." if base else ""
+            if all(p.startswith(prefix) for p in self.paths):
+                return True
+        return False
+
+
+def mark_tied_params(
+    root: nn.Module,
+    is_fsdp: Callable[[nn.Module], bool],
+    ignored_params: frozenset[nn.Parameter] = frozenset(),
+) -> list[nn.Parameter]:
+    """Mark every parameter that ``root`` uses at more than one place; return them.
+
+    [Note: tied parameters]
+    A parameter reachable under several names (an embedding tied to the LM head,
+    a Linear shared by two blocks) belongs to the innermost unit whose module
+    contains all of its uses, whichever units the auto-wrap policy makes. The
+    marks let the units, built bottom-up, decide that: a unit that meets a marked
+    parameter some of whose uses lie outside its subtree leaves it alone
+    (:func:`collect_unit_params`), and the first unit that contains them all
+    takes it, reaching into nested units' modules for the uses there. Its gathered
+    views are then installed on modules of inner units too; that works because a
+    unit's forward runs inside every enclosing unit's forward, and its backward
+    after the enclosing unit's pre-backward, so the owner is gathered whenever
+    an inner unit computes with the parameter, and the parameter's gradient from
+    every use is summed before the owner's post-backward hook runs. The marks
+    are removed when the root unit is built (:func:`clear_tied_marks`).
+    """
+    uses: dict[int, list[str]] = {}
+    sites: dict[int, list[tuple[nn.Module, str]]] = {}
+    by_id: dict[int, nn.Parameter] = {}
+    module_paths: dict[int, list[str]] = {}
+    for path, mod in root.named_modules(remove_duplicate=False):
+        clean = clean_fqn(path + ".").rstrip(".") if path else ""
+        if is_fsdp(mod):
+            continue  # an FSDP wrapper has no parameters of its own; its module is below
+        module_paths.setdefault(id(mod), [])
+        if clean not in module_paths[id(mod)]:
+            module_paths[id(mod)].append(clean)
+        for name, p in mod._parameters.items():
+            if p is None or p in ignored_params:
+                continue
+            full = f"{clean}.{name}" if clean else name
+            if full not in uses.setdefault(id(p), []):
+                uses[id(p)].append(full)
+            if not any(m is mod and n == name for m, n in sites.setdefault(id(p), [])):
+                sites[id(p)].append((mod, name))
+            by_id[id(p)] = p
+    marked = []
+    for pid, paths in uses.items():
+        if len(paths) > 1:
+            p = by_id[pid]
+            p.__dict__[_TIED] = TiedUse(tuple(paths), module_paths, tuple(sites[pid]))
+            marked.append(p)
+    for mod in root.modules():
+        if len(module_paths.get(id(mod), [])) > 1:
+            mod.__dict__[_SHARED_MODULE] = True  # several units may walk it
+    _marked.extend(marked)
+    return marked
+
+
+def clear_tied_marks(root: nn.Module, params: list[nn.Parameter]) -> None:
+    """Remove the marks :func:`mark_tied_params` set (wrapping is over)."""
+    for p in params:
+        p.__dict__.pop(_TIED, None)
+    _marked[:] = [p for p in _marked if _TIED in p.__dict__]
+    for mod in root.modules():
+        mod.__dict__.pop(_SHARED_MODULE, None)
 
 
 def resolve_compute_device(
@@ -116,9 +209,13 @@ def collect_unit_params(
     # be a reference cycle keeping ``params`` (the unsharded originals) alive until the next
     # garbage collection.
     stack: list[tuple[str, nn.Module]] = [("", module)]
+    seen_modules: set[int] = set()
     while stack:
         prefix, mod = stack.pop()
-        if mod.__dict__.get(_MANAGED):
+        if id(mod) in seen_modules:
+            continue  # a module used twice inside this unit (its parameters are tied)
+        seen_modules.add(id(mod))
+        if mod.__dict__.get(_MANAGED) and not mod.__dict__.get(_SHARED_MODULE):
             raise ValueError(
                 f"module {prefix.rstrip('.') or type(mod).__name__!r} ({type(mod).__name__}) "
                 "is already managed by an FSDP instance: a module can be wrapped only once. "
@@ -129,6 +226,9 @@ def collect_unit_params(
         for name, p in mod._parameters.items():
             if p is None or p in ignored_params:
                 continue
+            tied: TiedUse | None = p.__dict__.get(_TIED)
+            if tied is not None and not tied.all_under(module):
+                continue  # some uses lie outside this unit: an outer unit takes it
             if getattr(p, "_fsdp_replaced", False) or getattr(p, "_fsdp_orig_param", False):
                 raise SharedParameterError(mod, name, p, module)
             if id(p) in first:
@@ -144,7 +244,67 @@ def collect_unit_params(
             if child is not None and not is_fsdp(child) and not child.__dict__.get(IGNORED)
         ]
         stack.extend(reversed(children))
+    _adopt_tied(module, is_fsdp, first=first, infos=infos, params=params, shared=shared)
     return infos, params, shared, visited
+
+
+def _adopt_tied(
+    module: nn.Module,
+    is_fsdp: Callable[[nn.Module], bool],
+    *,
+    first: dict[int, tuple[str, nn.Module, str]],
+    infos: list[ParamInfo],
+    params: list[nn.Parameter],
+    shared: list[SharedParamInfo],
+) -> None:
+    """Take the tied parameters whose uses all lie in ``module`` but some in nested units.
+
+    See [Note: tied parameters]: this unit is the innermost that contains every
+    use, so it reaches into the nested units' modules for them.
+    """
+    if not _marked:
+        return  # no tied parameters being wrapped: nothing to reach for
+    names: dict[tuple[int, str], str] = {}
+    found: list[tuple[str, nn.Module, str, nn.Parameter]] = []
+    for path, mod in module.named_modules(remove_duplicate=False):
+        if is_fsdp(mod):
+            continue
+        for name, p in mod._parameters.items():
+            if p is None or _TIED not in p.__dict__ or not p.__dict__[_TIED].all_under(module):
+                continue
+            if getattr(p, "_fsdp_replaced", False) or getattr(p, "_fsdp_orig_param", False):
+                continue
+            key = (id(mod), name)
+            if key in names:
+                continue
+            names[key] = clean_fqn(path + ".").rstrip(".") if path else ""
+            found.append((names[key], mod, name, p))
+    taken = {(id(i.module), i.param_name) for i in infos}
+    taken.update((id(s.module), s.param_name) for s in shared)
+    crossing: dict[int, list[str]] = {}
+    for mod_name, mod, name, p in found:
+        if (id(mod), name) in taken:
+            continue
+        full = f"{mod_name}.{name}" if mod_name else name
+        crossing.setdefault(id(p), []).append(full)
+        if id(p) in first:
+            pm_name, pm, pn = first[id(p)]
+            shared.append(SharedParamInfo(mod_name, pm_name, mod, name, pm, pn))
+        else:
+            first[id(p)] = (mod_name, mod, name)
+            infos.append(ParamInfo(mod_name, mod, name))
+            params.append(p)
+    for pid in crossing:
+        tied = next(p for _, _, _, p in found if id(p) == pid).__dict__[_TIED]
+        unit_path = tied.module_paths.get(id(module), ["?"])[0]
+        _log.info(
+            "fsdp: parameter %r (also %s) is used in several FSDP units; it belongs to the "
+            "unit %r (%s), the innermost one that contains all its uses",
+            tied.paths[0],
+            ", ".join(repr(t) for t in tied.paths[1:]),
+            unit_path or "<root>",
+            type(module).__name__,
+        )
 
 
 _OWNER = "_fsdp_owner"  # on each flattened original: (weakref to its unit's wrapped module, name)
@@ -187,9 +347,10 @@ class SharedParameterError(ValueError):
             f"parameter {fqn!r} ({type(self.holder).__name__}) is the same tensor as "
             f"{owner_fqn!r}, which {unit} already flattened: a parameter shared between "
             "modules must be managed by one FSDP unit, else each unit would train its own "
-            "copy. Wrap both modules in one unit: keep that unit out of the auto_wrap_policy "
-            "so that a unit holding both modules takes the parameter, or wrap a common parent "
-            "of the two modules"
+            "copy, and that unit was built (by hand) before the one holding this use, so it "
+            "could not know of it. Wrap both modules in one unit: build the units with "
+            "auto_wrap_policy on the root (which gives a tied parameter to the innermost unit "
+            "containing all its uses), or wrap a common parent of the two modules"
         )
 
 
@@ -208,9 +369,7 @@ def owned_buffers(module: nn.Module, is_fsdp: Callable[[nn.Module], bool]) -> li
     return out
 
 
-def _check_uniform(
-    infos: list[ParamInfo], params: list[nn.Parameter], use_orig_params: bool = False
-) -> None:
+def _check_uniform(infos: list[ParamInfo], params: list[nn.Parameter]) -> None:
     names = [f"{i.module_name}.{i.param_name}" if i.module_name else i.param_name for i in infos]
     dtypes: dict[torch.dtype, list[str]] = {}
     for n, p in zip(names, params, strict=True):
@@ -222,18 +381,6 @@ def _check_uniform(
             f"but this unit mixes {listing}. Cast the module to one dtype (module.to(dtype)) or "
             "wrap the differing submodule in its own FSDP unit; for low-precision compute use "
             "mixed_precision=MixedPrecision(param_dtype=...)"
-        )
-    if use_orig_params:
-        return  # frozen and trainable parameters may share a unit (see FlatParamUnit)
-    grads: dict[bool, list[str]] = {}
-    for n, p in zip(names, params, strict=True):
-        grads.setdefault(p.requires_grad, []).append(n)
-    if len(grads) > 1:
-        raise ValueError(
-            "with use_orig_params=False an FSDP unit's parameters must be all trainable or all "
-            f"frozen, but requires_grad=True for {', '.join(grads[True][:6])} and False for "
-            f"{', '.join(grads[False][:6])}. Wrap the frozen submodules in their own units, or "
-            "pass use_orig_params=True (which allows the mix)."
         )
 
 
@@ -280,7 +427,7 @@ def build_unit(
                     p.data = p.data.to(target)
     if not params:
         return None
-    _check_uniform(infos, params, use_orig_params)
+    _check_uniform(infos, params)  # frozen and trainable may mix: [Note: frozen part]
     shard = strategy is not ShardingStrategy.NO_SHARD and groups.shard_size > 1
     group, rank, world_size = groups.shard_group, groups.shard_rank, groups.shard_size
     replicate_group, replicate_size = groups.replicate_group, groups.replicate_size
@@ -302,11 +449,41 @@ def build_unit(
         replicate_size=replicate_size,
         use_orig_params=use_orig_params,
     )
-    unit = FlatParamUnit(infos, params, shared, config)
+    unit = _build_parts(infos, params, shared, config)
     owner = weakref.ref(visited[0])
     for info, p in zip(infos, params, strict=True):
         name = f"{info.module_name}.{info.param_name}" if info.module_name else info.param_name
         p.__dict__[_OWNER] = (owner, name)
+    return unit
+
+
+def _build_parts(
+    infos: list[ParamInfo],
+    params: list[nn.Parameter],
+    shared: list[SharedParamInfo],
+    config: UnitConfig,
+) -> FlatParamUnit:
+    """One FlatParamUnit, or a trainable one with a frozen part (see [Note: frozen part]).
+
+    Each parameter's tied aliases go with it into the part that holds it.
+    """
+    trainable = [p.requires_grad for p in params]
+    if all(trainable) or not any(trainable):
+        return FlatParamUnit(infos, params, shared, config)
+    grad_of = {
+        (id(i.module), i.param_name): p.requires_grad for i, p in zip(infos, params, strict=True)
+    }
+
+    def part(want: bool) -> FlatParamUnit:
+        return FlatParamUnit(
+            [i for i, t in zip(infos, trainable, strict=True) if t is want],
+            [p for p, t in zip(params, trainable, strict=True) if t is want],
+            [s for s in shared if grad_of[(id(s.prim_module), s.prim_param_name)] is want],
+            config,
+        )
+
+    unit = part(True)
+    unit.attach_frozen_part(part(False))
     return unit
 
 

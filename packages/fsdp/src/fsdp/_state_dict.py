@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp._common import FLAT_PARAM, FSDP_PREFIX, TrainingState, clean_fqn
+from fsdp._common import FLAT_PARAM, FROZEN_FLAT_PARAM, FSDP_PREFIX, TrainingState, clean_fqn
 from fsdp._fsdp_state import FSDPState, get_fsdp_state
 from fsdp._summon import summon_unit
 from fsdp.api import StateDictType
@@ -99,16 +99,20 @@ def _expose_flat_param(module: nn.Module) -> None:
     """
     unit = _state(module).unit
     if unit is not None and unit.orig is not None and FLAT_PARAM not in module._parameters:
-        unit.orig.deregister(unit.flat_param._shared_param_infos)
-        module._parameters[FLAT_PARAM] = unit.flat_param
+        for part, key in zip(unit.parts(), (FLAT_PARAM, FROZEN_FLAT_PARAM), strict=False):
+            assert part.orig is not None
+            part.orig.deregister(part.flat_param._shared_param_infos)
+            module._parameters[key] = part.flat_param
 
 
 def _hide_flat_param(module: nn.Module) -> None:
     """Undo :func:`_expose_flat_param`."""
     unit = _state(module).unit
     if unit is not None and unit.orig is not None and FLAT_PARAM in module._parameters:
-        del module._parameters[FLAT_PARAM]
-        unit.orig.register(unit.flat_param._shared_param_infos)
+        for part, key in zip(unit.parts(), (FLAT_PARAM, FROZEN_FLAT_PARAM), strict=False):
+            assert part.orig is not None
+            del module._parameters[key]
+            part.orig.register(part.flat_param._shared_param_infos)
 
 
 def _pre_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
@@ -136,8 +140,10 @@ def _post_state_dict(
         orig_dtypes = buffer_orig_dtypes_by_key(state, prefix)
         # An unsharded unit's summoned parameters alias its FlatParameter: copy them, or
         # the next optimizer step would change the returned state dict.
-        flat_storage = (
-            state.unit.flat_param.untyped_storage().data_ptr() if state.unit is not None else None
+        flat_storages = (
+            {u.flat_param.untyped_storage().data_ptr() for u in state.unit.parts()}
+            if state.unit is not None
+            else set()
         )
         for key in [k for k in state_dict if k.startswith(inner)]:
             value = state_dict.pop(key)
@@ -147,7 +153,7 @@ def _post_state_dict(
                 value = value.to(dtype)
             if (
                 isinstance(value, torch.Tensor)
-                and value.untyped_storage().data_ptr() == flat_storage
+                and value.untyped_storage().data_ptr() in flat_storages
             ):
                 value = value.clone()
             state_dict[new_key] = value

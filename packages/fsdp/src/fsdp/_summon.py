@@ -24,9 +24,9 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Generator
 
-from torch import nn
+from torch import Tensor, nn
 
-from fsdp._common import FLAT_PARAM, TrainingState
+from fsdp._common import FLAT_PARAM, FROZEN_FLAT_PARAM, TrainingState
 from fsdp._flat_param_unit import ShardState
 from fsdp._fsdp_state import FSDPState, get_fsdp_state
 
@@ -51,30 +51,39 @@ def summon_unit(
             return
         if unit.state is ShardState.UNSHARDING:
             unit.wait_for_unshard()
-        if unit.orig is not None:
-            unit.orig.sync_data()  # the shard must hold what the user last wrote
-            unit.orig.sync_grads()
-        full = unit.gather_full_precision()  # a collective: every rank takes part
-        full_grad = unit.gather_full_grad() if with_grads else None  # also a collective
+        parts = unit.parts()  # a frozen part is summoned alongside (see [Note: frozen part])
+        fulls: list[tuple[Tensor, Tensor | None]] = []
+        for part in parts:
+            if part.orig is not None:
+                part.orig.sync_data()  # the shard must hold what the user last wrote
+                part.orig.sync_grads()
+            full = part.gather_full_precision()  # a collective: every rank takes part
+            full_grad = part.gather_full_grad() if with_grads else None  # also a collective
+            fulls.append((full, full_grad))
         if rank0_only and unit.config.rank != 0:
-            del full, full_grad
+            del fulls
             yield
             return
         if offload_to_cpu and unit.config.shard:
-            full = full.cpu()
+            fulls = [(full.cpu(), grad) for full, grad in fulls]
         fsdp_module = state.module
         registered_flat = fsdp_module._parameters.pop(FLAT_PARAM, None) is not None
-        unit.register_full_params(full, full_grad, with_grads)
+        fsdp_module._parameters.pop(FROZEN_FLAT_PARAM, None)
+        for part, (full, full_grad) in zip(parts, fulls, strict=True):
+            part.register_full_params(full, full_grad, with_grads)
         try:
             yield
         finally:
-            if writeback:
-                unit.write_back(full)
-                if full_grad is not None:
-                    unit.write_back_grad(full_grad)
-            unit.unregister_full_params()
+            for part, (full, full_grad) in zip(parts, fulls, strict=True):
+                if writeback:
+                    part.write_back(full)
+                    if full_grad is not None:
+                        part.write_back_grad(full_grad)
+                part.unregister_full_params()
             if registered_flat:
                 fsdp_module._parameters[FLAT_PARAM] = unit.flat_param
+                if unit.frozen_part is not None:
+                    fsdp_module._parameters[FROZEN_FLAT_PARAM] = unit.frozen_part.flat_param
             if unit.state is not ShardState.SHARDED and not unit.aliased:
                 unit.reshard()
     finally:

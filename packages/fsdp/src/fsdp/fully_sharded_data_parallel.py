@@ -21,7 +21,13 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 )
 
 from fsdp import _grad_norm, _init
-from fsdp._common import FLAT_PARAM, FSDP_WRAPPED_MODULE, TrainingState, clean_fqn
+from fsdp._common import (
+    FLAT_PARAM,
+    FROZEN_FLAT_PARAM,
+    FSDP_WRAPPED_MODULE,
+    TrainingState,
+    clean_fqn,
+)
 from fsdp._deferred_init import has_meta_states, materialize_unit, modules_to_materialize
 from fsdp._fsdp_state import FSDPState, get_fsdp_state
 from fsdp._ignored import resolve_ignored
@@ -222,6 +228,7 @@ class FullyShardedDataParallel(nn.Module):
         groups = resolve_process_groups(process_group, device_mesh, strategy)
         _init.install_optimizer_check()
 
+        tied: list[nn.Parameter] = []
         if auto_wrap_policy is not None:
             root_kwargs: dict[str, Any] = {
                 "process_group": process_group,
@@ -243,6 +250,9 @@ class FullyShardedDataParallel(nn.Module):
             if strategy in HYBRID_STRATEGIES and device_mesh is None:
                 # Every unit shares the root's groups (also those built automatically).
                 root_kwargs["process_group"] = (groups.shard_group, groups.replicate_group)
+            # A parameter used at several places goes to the innermost unit that contains
+            # all its uses, whatever units the policy makes (see [Note: tied parameters]).
+            tied = _init.mark_tied_params(module, _is_fsdp, ignored.params)
             try:
                 _auto_wrap(
                     module,
@@ -254,7 +264,11 @@ class FullyShardedDataParallel(nn.Module):
                     ignored_params=ignored.params,
                 )
             except _init.SharedParameterError as e:
+                _init.clear_tied_marks(module, tied)
                 raise e.in_model(module) from None
+            except BaseException:
+                _init.clear_tied_marks(module, tied)
+                raise
 
         # Deferred initialisation: this unit's own modules, now that inner units are built.
         own_modules = modules_to_materialize(module, _is_fsdp)
@@ -288,9 +302,13 @@ class FullyShardedDataParallel(nn.Module):
             use_orig_params=use_orig_params,
         )
         del collected  # the original parameters: free them before the enclosing unit is built
+        if auto_wrap_policy is not None:  # this constructor marked them
+            _init.clear_tied_marks(module, tied)
         self._fsdp_wrapped_module = module
         if unit is not None and not use_orig_params:
             self.register_parameter(FLAT_PARAM, unit.flat_param)
+            if unit.frozen_part is not None:  # see [Note: frozen part]
+                self.register_parameter(FROZEN_FLAT_PARAM, unit.frozen_part.flat_param)
         self._fsdp_state = FSDPState(
             self,
             unit,
@@ -523,21 +541,21 @@ class FullyShardedDataParallel(nn.Module):
         flat_ids: set[int] = set()
         all_no_shard = True
         for s in ctx.states:
-            unit = s.unit
-            if unit is None:
+            if s.unit is None:
                 continue
-            flat_ids.add(id(unit.flat_param))
-            all_no_shard = all_no_shard and not unit.config.shard
-            target = sharded if unit.config.shard else replicated
-            if unit.orig is not None:
-                # The gradients the optimizer will step: the original parameters'
-                # (views of the flat gradient unless the user replaced them).
-                flat_ids.update(id(p) for p in unit.orig.params)
-                target.extend(p.grad for p in unit.orig.params if p.grad is not None)
-                continue
-            grad = unit.flat_param.grad
-            if grad is not None:
-                target.append(grad)
+            for unit in s.unit.parts():
+                flat_ids.add(id(unit.flat_param))
+                all_no_shard = all_no_shard and not unit.config.shard
+                target = sharded if unit.config.shard else replicated
+                if unit.orig is not None:
+                    # The gradients the optimizer will step: the original parameters'
+                    # (views of the flat gradient unless the user replaced them).
+                    flat_ids.update(id(p) for p in unit.orig.params)
+                    target.extend(p.grad for p in unit.orig.params if p.grad is not None)
+                    continue
+                grad = unit.flat_param.grad
+                if grad is not None:
+                    target.append(grad)
         if all_no_shard:
             return torch.nn.utils.clip_grad_norm_(list(self.parameters()), max_norm, norm_type)
         for p in self.parameters():
