@@ -25,7 +25,9 @@ from ckpt._errors import (
     NotACheckpointError,
     PartialCheckpointError,
     ShapeMismatch,
+    SignatureError,
     StateDictMismatchError,
+    UnsafeCheckpointError,
 )
 from ckpt._fsdp_model_state import LocalShardMismatchError
 from ckpt._manager import CheckpointManager
@@ -72,6 +74,7 @@ __all__ = [
     "ShapeMismatch",
     "ShardedOptimStateDictConfig",
     "ShardedStateDictConfig",
+    "SignatureError",
     "StateAdapter",
     "StateContext",
     "StateDictConfig",
@@ -79,6 +82,7 @@ __all__ = [
     "StateDictSettings",
     "StateDictType",
     "Stateful",
+    "UnsafeCheckpointError",
     "__version__",
     "async_save",
     "get_state_dict_type",
