@@ -110,14 +110,23 @@ class _SaveTransaction:
     comm: Comm
     checksum: Checksum
     key: bytes | None  # sign the manifest with it ([Note: keyed manifest])
+    saved_by: dict[str, str]  # state entry -> what was saved there, for the manifest
     state: SaveState
     manifest: Manifest | None
 
-    def __init__(self, path: Path, comm: Comm, checksum: Checksum, key: bytes | None) -> None:
+    def __init__(
+        self,
+        path: Path,
+        comm: Comm,
+        checksum: Checksum,
+        key: bytes | None,
+        state: Mapping[str, Any],
+    ) -> None:
         self.path = path
         self.comm = comm
         self.checksum = checksum
         self.key = key
+        self.saved_by = {name: _kind_of(value) for name, value in state.items()}
         self.state = SaveState.NEW
         self.manifest = None
 
@@ -197,7 +206,7 @@ class _SaveTransaction:
                 vanished = sorted(hashed - set(present))
                 if vanished:
                     raise CheckpointError(f"files disappeared while saving: {vanished}")
-                manifest = new_manifest(records, self.checksum, self.comm.world_size)
+                manifest = new_manifest(records, self.checksum, self.comm.world_size, self.saved_by)
                 if self.key is not None:
                     manifest = sign_manifest(manifest, self.key)
                 write_manifest(partial, manifest)
@@ -215,6 +224,15 @@ class _SaveTransaction:
             raise
         self.state = SaveState.COMMITTED
         return CheckpointInfo(self.path, self.manifest)
+
+
+def _kind_of(value: object) -> str:
+    """``package.Class`` of a state entry (the package is the top-level module)."""
+    if isinstance(value, torch.Tensor):
+        return "tensor"
+    cls = type(value)
+    package = cls.__module__.split(".")[0]
+    return "object" if package == "builtins" else f"{package}.{cls.__qualname__}"
 
 
 def _dcp_failure(what: str, error: CheckpointException) -> CheckpointError:
@@ -407,7 +425,7 @@ def save(
     mac_key = _as_key(key)
     sum_kind = _as_checksum(checksum, mac_key)
     state_dict, _ = to_state_dict(state, process_group)
-    tx = _SaveTransaction(target, comm, sum_kind, mac_key)
+    tx = _SaveTransaction(target, comm, sum_kind, mac_key, state)
     tx.prepare(overwrite)
     tx.write(state_dict)
     return tx.commit(_on_commit)
@@ -441,7 +459,7 @@ def async_save(
     staged = BlockingAsyncStager(cache_staged_state_dict=False, type_check=False).stage(state_dict)
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()  # the staged copies must be complete before we return
-    tx = _SaveTransaction(target, comm, sum_kind, mac_key)
+    tx = _SaveTransaction(target, comm, sum_kind, mac_key, state)
     tx.prepare(overwrite)
 
     def work() -> CheckpointInfo:

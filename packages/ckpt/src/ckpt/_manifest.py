@@ -122,6 +122,9 @@ class Manifest:
     torch_version: str
     # HMAC-SHA256 (hex) of signed_bytes() under the user's key; None when saved unkeyed.
     mac: str | None = None
+    # State entry -> "package.Class" of the object saved there (fsdp.FullyShardedDataParallel,
+    # zero_optim.ZeroRedundancyOptimizer, ...), for ``ckpt ls``; empty in older manifests.
+    saved_by: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:
@@ -131,11 +134,15 @@ class Manifest:
     def signed_bytes(self) -> bytes:
         """What the keyed manifest's HMAC covers: every field but the HMAC itself."""
         body = self._body()
+        if self.saved_by:
+            body["saved_by"] = dict(self.saved_by)
         return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
     def to_json(self) -> str:
         """The on-disk form; stable key order so equal manifests are equal bytes."""
         body = self._body()
+        if self.saved_by:
+            body["saved_by"] = dict(self.saved_by)
         if self.mac is not None:
             body["hmac"] = self.mac
         return json.dumps(body, indent=1, sort_keys=True) + "\n"
@@ -183,6 +190,7 @@ class Manifest:
                 ckpt_version=str(body["ckpt_version"]),
                 torch_version=str(body["torch_version"]),
                 mac=None if body.get("hmac") is None else str(body["hmac"]),
+                saved_by={str(k): str(v) for k, v in dict(body.get("saved_by") or {}).items()},
             )
         except (KeyError, TypeError, ValueError) as e:
             raise bad(f"missing or malformed field ({type(e).__name__}: {e})") from None
@@ -230,7 +238,12 @@ def read_manifest(directory: Path) -> Manifest:
     return Manifest.from_json(text, directory)
 
 
-def new_manifest(records: Iterable[FileRecord], checksum: Checksum, world_size: int) -> Manifest:
+def new_manifest(
+    records: Iterable[FileRecord],
+    checksum: Checksum,
+    world_size: int,
+    saved_by: Mapping[str, str] | None = None,
+) -> Manifest:
     """A manifest of ``records`` stamped with the current time and versions."""
     import torch
 
@@ -243,6 +256,7 @@ def new_manifest(records: Iterable[FileRecord], checksum: Checksum, world_size: 
         created=time.time(),
         ckpt_version=__version__,
         torch_version=str(torch.__version__),
+        saved_by=dict(saved_by or {}),
     )
 
 
