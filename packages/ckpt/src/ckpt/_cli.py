@@ -153,7 +153,8 @@ def _saved_by(reader: CheckpointReader) -> str:
     """What wrote each stateful entry (``model=fsdp.FullyShardedDataParallel``)."""
     if reader.manifest is None:
         return "torch DCP (no ckpt manifest)"
-    kinds = [f"{k}={v}" for k, v in reader.manifest.saved_by.items() if v not in ("tensor", "object")]
+    saved = reader.manifest.saved_by
+    kinds = [f"{k}={v}" for k, v in saved.items() if v not in ("tensor", "object")]
     return ", ".join(kinds) or "-"
 
 
