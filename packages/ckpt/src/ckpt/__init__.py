@@ -33,6 +33,7 @@ from ckpt._fsdp_model_state import LocalShardMismatchError
 from ckpt._manager import CheckpointManager
 from ckpt._manifest import MANIFEST_NAME, Checksum, FileRecord, Manifest
 from ckpt._optim_state import load_optim_state_dict, optim_state_dict
+from ckpt._pretrained import PretrainedLoad, load_pretrained
 from ckpt._state import StateAdapter, StateContext, Stateful, register_adapter
 from ckpt._state_dict_type import get_state_dict_type, set_state_dict_type, state_dict_type
 from ckpt._version import __version__
@@ -71,6 +72,7 @@ __all__ = [
     "OptimStateDictConfig",
     "OptimStateKeyType",
     "PartialCheckpointError",
+    "PretrainedLoad",
     "ShapeMismatch",
     "ShardedOptimStateDictConfig",
     "ShardedStateDictConfig",
@@ -88,6 +90,7 @@ __all__ = [
     "get_state_dict_type",
     "load",
     "load_optim_state_dict",
+    "load_pretrained",
     "optim_state_dict",
     "register_adapter",
     "save",

@@ -25,6 +25,7 @@ from fsdp.api import (
     StateDictType,
 )
 from fsdp.fully_sharded_data_parallel import FullyShardedDataParallel
+from fsdp.shards import LocalShard, is_flat_parameter, local_shards, unwrapped_name
 
 __all__ = [
     "BackwardPrefetch",
@@ -33,6 +34,7 @@ __all__ = [
     "FullStateDictConfig",
     "FullyShardedDataParallel",
     "LocalOptimStateDictConfig",
+    "LocalShard",
     "LocalStateDictConfig",
     "MixedPrecision",
     "OptimStateDictConfig",
@@ -45,4 +47,7 @@ __all__ = [
     "StateDictType",
     "TrainingState",
     "__version__",
+    "is_flat_parameter",
+    "local_shards",
+    "unwrapped_name",
 ]
