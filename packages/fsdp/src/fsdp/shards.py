@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from flatparam import FlatParameter
-from fsdp._common import clean_fqn
+from fsdp._common import TrainingState, clean_fqn
 from fsdp._flat_param_unit import ShardState
 from fsdp._fsdp_state import get_fsdp_state
 
@@ -81,10 +81,11 @@ def local_shards(model: nn.Module) -> list[LocalShard]:
         if state is None or state.unit is None:
             continue
         unit = state.unit
-        if unit.state is not ShardState.SHARDED:
+        if unit.state is not ShardState.SHARDED or state.training_state is not TrainingState.IDLE:
             raise RuntimeError(
-                f"fsdp unit {module_name or '<root>'} is {unit.state.name}, not SHARDED; "
-                f"call local_shards between steps, outside forward and summon_full_params"
+                f"fsdp unit {module_name or '<root>'} is {state.training_state.name} with its "
+                f"parameters {unit.state.name}, not IDLE and SHARDED: call local_shards "
+                f"between steps, outside forward and summon_full_params"
             )
         prefix = clean_fqn(module_name + ".") if module_name else ""
         flat = unit.flat_param
