@@ -167,6 +167,15 @@ def test_keyed_manifest(tmp_path: Path) -> None:
         ckpt.save({"model": model}, tmp_path / "short", key=b"short")
 
 
+def test_async_save_signs_too(tmp_path: Path) -> None:
+    model = make_model(0)
+    info = ckpt.async_save({"model": model}, tmp_path / "a", key=KEY).wait()
+    assert info.manifest is not None and info.manifest.mac is not None
+    fresh = make_model(1)
+    ckpt.load({"model": fresh}, tmp_path / "a", key=KEY)
+    assert_same(params(fresh), params(model))
+
+
 def test_manager_signs_and_requires_its_key(tmp_path: Path) -> None:
     manager = ckpt.CheckpointManager(tmp_path / "run", key=KEY)
     model = make_model(0)

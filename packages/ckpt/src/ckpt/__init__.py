@@ -3,8 +3,11 @@
 ``save``/``load`` take a dict of models, optimizers, stateful objects, tensors and
 plain objects (like DCP's); every rank writes its own shards; the checkpoint appears
 by one atomic rename after all ranks finish, with a manifest of checksums that
-``load`` verifies first. ``CheckpointManager`` keeps step-numbered checkpoints for a
-training loop. See the package README.
+``load`` verifies first (and never runs code from the checkpoint; a ``key`` signs and
+checks the manifest). ``CheckpointManager`` keeps step-numbered checkpoints for a
+training loop; ``load_pretrained`` fills a sharded model from safetensors weights
+shard by shard; the ``ckpt`` program (``python -m ckpt``) lists, inspects, verifies
+and exports checkpoints. See the package README.
 """
 
 from ckpt._adapters import register_builtin_adapters
