@@ -28,7 +28,8 @@ TEST_DEPS = [
     "transformers==5.23.0",
     "peft==0.21.2",  # tests/fsdp/test_lora.py: LoRA on a Llama under use_orig_params=True
 ]
-TYPE_DEPS = ["mypy==2.4.1", "pytest==9.2.0", "hypothesis==6.170.15", "numpy"]
+# safetensors: ckpt imports it (typed); the packages themselves are not installed here.
+TYPE_DEPS = ["mypy==2.4.1", "pytest==9.2.0", "hypothesis==6.170.15", "numpy", "safetensors==0.8.0"]
 # What examples/train.py needs beyond the stack (its end-to-end test runs in `tests`).
 EXAMPLE_DEPS = ["rich==15.0.0", "matplotlib==3.11.2"]
 LINT_DEPS = ["ruff==0.17.6"]

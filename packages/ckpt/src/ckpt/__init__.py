@@ -3,8 +3,11 @@
 ``save``/``load`` take a dict of models, optimizers, stateful objects, tensors and
 plain objects (like DCP's); every rank writes its own shards; the checkpoint appears
 by one atomic rename after all ranks finish, with a manifest of checksums that
-``load`` verifies first. ``CheckpointManager`` keeps step-numbered checkpoints for a
-training loop. See the package README.
+``load`` verifies first (and never runs code from the checkpoint; a ``key`` signs and
+checks the manifest). ``CheckpointManager`` keeps step-numbered checkpoints for a
+training loop; ``load_pretrained`` fills a sharded model from safetensors weights
+shard by shard; the ``ckpt`` program (``python -m ckpt``) lists, inspects, verifies
+and exports checkpoints. See the package README.
 """
 
 from ckpt._adapters import register_builtin_adapters
@@ -25,12 +28,15 @@ from ckpt._errors import (
     NotACheckpointError,
     PartialCheckpointError,
     ShapeMismatch,
+    SignatureError,
     StateDictMismatchError,
+    UnsafeCheckpointError,
 )
 from ckpt._fsdp_model_state import LocalShardMismatchError
 from ckpt._manager import CheckpointManager
 from ckpt._manifest import MANIFEST_NAME, Checksum, FileRecord, Manifest
 from ckpt._optim_state import load_optim_state_dict, optim_state_dict
+from ckpt._pretrained import PretrainedLoad, load_pretrained
 from ckpt._state import StateAdapter, StateContext, Stateful, register_adapter
 from ckpt._state_dict_type import get_state_dict_type, set_state_dict_type, state_dict_type
 from ckpt._version import __version__
@@ -69,9 +75,11 @@ __all__ = [
     "OptimStateDictConfig",
     "OptimStateKeyType",
     "PartialCheckpointError",
+    "PretrainedLoad",
     "ShapeMismatch",
     "ShardedOptimStateDictConfig",
     "ShardedStateDictConfig",
+    "SignatureError",
     "StateAdapter",
     "StateContext",
     "StateDictConfig",
@@ -79,11 +87,13 @@ __all__ = [
     "StateDictSettings",
     "StateDictType",
     "Stateful",
+    "UnsafeCheckpointError",
     "__version__",
     "async_save",
     "get_state_dict_type",
     "load",
     "load_optim_state_dict",
+    "load_pretrained",
     "optim_state_dict",
     "register_adapter",
     "save",

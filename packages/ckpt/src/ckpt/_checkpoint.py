@@ -6,8 +6,10 @@ writes its shards there with DCP (``write``), every rank hashes the files it wro
 rank 0 writes the manifest and renames the directory into place (``commit``). See
 [Note: atomic commit] in ``_layout.py`` and [Note: integrity] in ``_manifest.py``.
 
-A load reads the manifest, has every rank verify a balanced share of the files, checks
-the keys and shapes against the state on every rank, and only then lets DCP read.
+A load reads the manifest (and checks its HMAC when given a key), has every rank verify
+a balanced share of the files, checks the keys and shapes against the state on every
+rank, and only then lets DCP read, through a reader and planner that never run code
+from the checkpoint ([Note: no code from a checkpoint] in ``_safe_pickle.py``).
 Every decision is shared before anyone acts ([Note: one decision, every rank]).
 """
 
@@ -26,29 +28,42 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from ckpt import _layout
 from ckpt._comm import Comm, async_group
-from ckpt._errors import CheckpointError, CorruptCheckpointError, FileProblem
-from ckpt._fit import combine_fits, fit_rank, local_shapes, saved_shapes
+from ckpt._errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    FileProblem,
+    UnsafeCheckpointError,
+)
+from ckpt._fit import RankFit, combine_fits, fit_rank, local_shapes, saved_shapes
 from ckpt._manifest import (
     Checksum,
     FileRecord,
     Manifest,
     balance_files,
     check_file_set,
+    check_signature,
     file_owner,
     hash_file,
     listed_files,
     new_manifest,
     read_manifest,
+    sign_manifest,
     verify_files,
     write_manifest,
+)
+from ckpt._safe_pickle import (
+    SafeFileSystemReader,
+    SafeGlobals,
+    SafeLoadPlanner,
+    check_objects,
+    read_metadata,
 )
 from ckpt._state import apply_loaded, to_state_dict
 
@@ -94,13 +109,24 @@ class _SaveTransaction:
     path: Path  # the final, committed location
     comm: Comm
     checksum: Checksum
+    key: bytes | None  # sign the manifest with it ([Note: keyed manifest])
+    saved_by: dict[str, str]  # state entry -> what was saved there, for the manifest
     state: SaveState
     manifest: Manifest | None
 
-    def __init__(self, path: Path, comm: Comm, checksum: Checksum) -> None:
+    def __init__(
+        self,
+        path: Path,
+        comm: Comm,
+        checksum: Checksum,
+        key: bytes | None,
+        state: Mapping[str, Any],
+    ) -> None:
         self.path = path
         self.comm = comm
         self.checksum = checksum
+        self.key = key
+        self.saved_by = {name: _kind_of(value) for name, value in state.items()}
         self.state = SaveState.NEW
         self.manifest = None
 
@@ -180,7 +206,9 @@ class _SaveTransaction:
                 vanished = sorted(hashed - set(present))
                 if vanished:
                     raise CheckpointError(f"files disappeared while saving: {vanished}")
-                manifest = new_manifest(records, self.checksum, self.comm.world_size)
+                manifest = new_manifest(records, self.checksum, self.comm.world_size, self.saved_by)
+                if self.key is not None:
+                    manifest = sign_manifest(manifest, self.key)
                 write_manifest(partial, manifest)
                 _layout.commit(self.path)
                 if on_commit is not None:  # before the broadcast: ranks see it done
@@ -196,6 +224,15 @@ class _SaveTransaction:
             raise
         self.state = SaveState.COMMITTED
         return CheckpointInfo(self.path, self.manifest)
+
+
+def _kind_of(value: object) -> str:
+    """``package.Class`` of a state entry (the package is the top-level module)."""
+    if isinstance(value, torch.Tensor):
+        return "tensor"
+    cls = type(value)
+    package = cls.__module__.split(".")[0]
+    return "object" if package == "builtins" else f"{package}.{cls.__qualname__}"
 
 
 def _dcp_failure(what: str, error: CheckpointException) -> CheckpointError:
@@ -325,12 +362,36 @@ def _as_path(path: PathLike) -> Path:
     return Path(os.path.abspath(os.fspath(path)))
 
 
-def _as_checksum(checksum: str | Checksum) -> Checksum:
+def _as_checksum(checksum: str | Checksum | None, key: bytes | None) -> Checksum:
+    """The checksum to record: CRC-32 by default, BLAKE2b (required) with a key."""
+    if checksum is None:
+        return Checksum.BLAKE2B if key is not None else Checksum.CRC32
     try:
-        return Checksum(checksum)
+        chosen = Checksum(checksum)
     except ValueError:
         names = ", ".join(repr(c.value) for c in Checksum)
         raise ValueError(f"unknown checksum {checksum!r}; choose one of {names}") from None
+    if key is not None and chosen is not Checksum.BLAKE2B:
+        raise ValueError(
+            f"checksum={chosen.value!r} cannot be combined with key=: a keyed manifest "
+            f"needs 'blake2b' digests (CRC-32 can be forged to match); leave checksum unset"
+        )
+    return chosen
+
+
+def _as_key(key: bytes | str | None) -> bytes | None:
+    """The HMAC key as bytes; a str is taken as UTF-8. Refuses an empty key."""
+    if key is None:
+        return None
+    if isinstance(key, str):
+        key = key.encode()
+    if not isinstance(key, (bytes, bytearray)):
+        raise TypeError(f"key must be bytes or str, got {type(key).__name__}")
+    if len(key) < 16:
+        raise ValueError(
+            f"key has {len(key)} bytes; use at least 16 random bytes (e.g. os.urandom(32))"
+        )
+    return bytes(key)
 
 
 def save(
@@ -338,7 +399,8 @@ def save(
     path: PathLike,
     *,
     overwrite: bool = False,
-    checksum: str | Checksum = Checksum.CRC32,
+    checksum: str | Checksum | None = None,
+    key: bytes | str | None = None,
     process_group: dist.ProcessGroup | None = None,
     _on_commit: Callable[[], None] | None = None,
 ) -> CheckpointInfo:
@@ -351,13 +413,19 @@ def save(
     manifest of checksums, after every rank finished, so a crash mid-save never leaves
     a damaged checkpoint at ``path``. ``overwrite=True`` replaces an existing
     checkpoint (atomically as well).
+
+    ``checksum`` is ``"crc32"`` (default) or ``"blake2b"``. With ``key`` (bytes kept
+    apart from the checkpoints) the manifest records BLAKE2b digests and is signed
+    with an HMAC, so a ``load``/``verify`` given the same key refuses a checkpoint
+    that anyone without the key wrote or changed ([Note: keyed manifest]).
     """
     wait_pending()
     target = _as_path(path)
     comm = Comm.of(process_group)
-    sum_kind = _as_checksum(checksum)
+    mac_key = _as_key(key)
+    sum_kind = _as_checksum(checksum, mac_key)
     state_dict, _ = to_state_dict(state, process_group)
-    tx = _SaveTransaction(target, comm, sum_kind)
+    tx = _SaveTransaction(target, comm, sum_kind, mac_key, state)
     tx.prepare(overwrite)
     tx.write(state_dict)
     return tx.commit(_on_commit)
@@ -368,7 +436,8 @@ def async_save(
     path: PathLike,
     *,
     overwrite: bool = False,
-    checksum: str | Checksum = Checksum.CRC32,
+    checksum: str | Checksum | None = None,
+    key: bytes | str | None = None,
     process_group: dist.ProcessGroup | None = None,
     _on_commit: Callable[[], None] | None = None,
 ) -> AsyncSave:
@@ -384,12 +453,13 @@ def async_save(
     target = _as_path(path)
     group = process_group if process_group is not None else async_group()
     comm = Comm.of(group)
-    sum_kind = _as_checksum(checksum)
+    mac_key = _as_key(key)
+    sum_kind = _as_checksum(checksum, mac_key)
     state_dict, _ = to_state_dict(state, group)
     staged = BlockingAsyncStager(cache_staged_state_dict=False, type_check=False).stage(state_dict)
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()  # the staged copies must be complete before we return
-    tx = _SaveTransaction(target, comm, sum_kind)
+    tx = _SaveTransaction(target, comm, sum_kind, mac_key, state)
     tx.prepare(overwrite)
 
     def work() -> CheckpointInfo:
@@ -403,9 +473,14 @@ def async_save(
     return handle
 
 
-def _open_checkpoint(path: Path, comm: Comm, verify: bool) -> Manifest | None:
-    """Rank 0 checks ``path`` is a committed checkpoint and reads its manifest; then
-    (``verify``) every rank checks its share of the files. Raises on every rank."""
+def _open_checkpoint(
+    path: Path, comm: Comm, verify: bool, key: bytes | None = None
+) -> Manifest | None:
+    """Rank 0 checks ``path`` is a committed checkpoint, reads its manifest and (``key``)
+    checks its HMAC; then (``verify``) every rank checks its share of the files. Raises
+    on every rank. Nothing is unpickled here."""
+    if key is not None and not verify:
+        raise ValueError("key= checks the files against the signed manifest: keep verify=True")
 
     def open_on_rank0() -> tuple[Manifest | None, list[FileProblem]]:
         if not _layout.is_committed(path):
@@ -413,6 +488,8 @@ def _open_checkpoint(path: Path, comm: Comm, verify: bool) -> Manifest | None:
                 return None, []
             raise _layout.not_a_checkpoint(path)
         manifest = read_manifest(path)
+        if key is not None:
+            check_signature(manifest, key, path)
         problems = check_file_set(manifest, listed_files(path)) if verify else []
         return manifest, problems
 
@@ -428,15 +505,33 @@ def _open_checkpoint(path: Path, comm: Comm, verify: bool) -> Manifest | None:
     return manifest
 
 
-def verify(path: PathLike, *, process_group: dist.ProcessGroup | None = None) -> Manifest:
+def verify(
+    path: PathLike,
+    *,
+    key: bytes | str | None = None,
+    safe_globals: SafeGlobals = (),
+    process_group: dist.ProcessGroup | None = None,
+) -> Manifest:
     """Check a committed checkpoint's files against its manifest without loading it.
 
     Call on every rank (or in one process): the files are split over the ranks. Raises
-    ``CorruptCheckpointError`` naming each missing, extra, truncated or altered file.
+    ``CorruptCheckpointError`` naming each missing, extra, truncated or altered file,
+    ``SignatureError`` when ``key`` is given and the manifest is not signed with it,
+    and ``UnsafeCheckpointError`` when the metadata or a non-tensor value would need
+    more than ``load`` admits (``safe_globals`` widens it as for ``load``). Nothing
+    from the checkpoint is run. The checksums catch accidents (corruption, truncation,
+    files of two checkpoints mixed); only ``key`` also catches someone who rewrote
+    the manifest.
     """
     wait_pending()
-    manifest = _open_checkpoint(_as_path(path), Comm.of(process_group), verify=True)
+    source = _as_path(path)
+    comm = Comm.of(process_group)
+    manifest = _open_checkpoint(source, comm, verify=True, key=_as_key(key))
     assert manifest is not None
+    comm.run_on_coordinator(
+        f"check the pickles of {source}",
+        lambda: check_objects(source, read_metadata(source), safe_globals),
+    )
     return manifest
 
 
@@ -446,6 +541,8 @@ def load(
     *,
     strict: bool = True,
     verify: bool = True,
+    key: bytes | str | None = None,
+    safe_globals: SafeGlobals = (),
     process_group: dist.ProcessGroup | None = None,
 ) -> CheckpointInfo:
     """Load the checkpoint at ``path`` into ``state`` on every rank, in place.
@@ -458,15 +555,31 @@ def load(
     both sides have and leaves the rest. Entries of the checkpoint that ``state`` does
     not name are not loaded (load just ``{"model": model}`` from a training checkpoint).
     The world size may differ from the one that saved.
+
+    Loading never runs code from the checkpoint: DCP's metadata is unpickled admitting
+    only DCP's own types, and non-tensor values with ``torch.load(weights_only=True)``
+    semantics, widened only by ``safe_globals`` (classes or functions you trust, as
+    for ``torch.serialization.safe_globals``); anything else raises
+    ``UnsafeCheckpointError`` before it runs. ``key``: the manifest must carry an HMAC
+    under this key (``save(..., key=)``), checked before anything is unpickled.
     """
     wait_pending()
     source = _as_path(path)
     comm = Comm.of(process_group)
-    manifest = _open_checkpoint(source, comm, verify)
+    manifest = _open_checkpoint(source, comm, verify, _as_key(key))
     state_dict, ctx = to_state_dict(state, process_group, manifest, loading=True)
-    reader = FileSystemReader(source)
-    fit = fit_rank(local_shapes(state_dict), saved_shapes(reader.read_metadata()), list(state))
-    error = combine_fits(source, comm.all_gather(fit), strict)
+    reader = SafeFileSystemReader(source)
+    try:
+        fit: RankFit | CheckpointError = fit_rank(
+            local_shapes(state_dict), saved_shapes(reader.read_metadata()), list(state)
+        )
+    except CheckpointError as e:
+        fit = e
+    fits = comm.all_gather(fit)
+    for rank_fit in fits:  # the same files on every rank: normally all or none fail
+        if isinstance(rank_fit, CheckpointError):
+            raise rank_fit
+    error = combine_fits(source, [f for f in fits if isinstance(f, RankFit)], strict)
     if error is not None:
         raise error
     try:
@@ -475,11 +588,14 @@ def load(
         dcp_load(
             state_dict,
             storage_reader=reader,
-            planner=DefaultLoadPlanner(allow_partial_load=not strict),
+            planner=SafeLoadPlanner(source, safe_globals, allow_partial_load=not strict),
             process_group=process_group,
             no_dist=not comm.distributed,
         )
     except CheckpointException as e:
+        for exc, _ in e.failures.values():
+            if isinstance(exc, UnsafeCheckpointError):
+                raise exc from None
         raise _dcp_failure(f"read {source}", e) from e
     apply_loaded(state, state_dict, ctx)
     return CheckpointInfo(source, manifest)

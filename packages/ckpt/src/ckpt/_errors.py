@@ -22,7 +22,9 @@ __all__ = [
     "NotACheckpointError",
     "PartialCheckpointError",
     "ShapeMismatch",
+    "SignatureError",
     "StateDictMismatchError",
+    "UnsafeCheckpointError",
 ]
 
 # How many keys an error message lists before it says "... and N more".
@@ -207,3 +209,47 @@ class StateDictMismatchError(CheckpointError):
             other_model=self.other_model,
         )
         return (rebuild, ())
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """The checkpoint holds a pickle that would run code (or read outside itself).
+
+    Nothing of it was executed: ckpt unpickles DCP's ``.metadata`` admitting only the
+    types DCP writes there, and non-tensor values with ``torch.load(weights_only=True)``
+    semantics (see [Note: no code from a checkpoint] in ``_safe_pickle.py``). ``item``
+    is the file or state key, ``found`` what was refused. If you wrote the checkpoint
+    yourself and the value is a type you trust, pass it in ``safe_globals=[...]``.
+    """
+
+    def __init__(self, path: Path, item: str, found: str, why: str) -> None:
+        self.path = path
+        self.item = item
+        self.found = found
+        self.why = why
+        super().__init__(
+            f"checkpoint {path}: {item} refers to {found}: {why}. Nothing from it was run "
+            f"or loaded; do not load this checkpoint unless you know who wrote it."
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.path, self.item, self.found, self.why))
+
+
+class SignatureError(CheckpointError):
+    """A load or verify with a ``key`` found the manifest unsigned or signed otherwise.
+
+    The keyed manifest (HMAC-SHA256 over the manifest, whose BLAKE2b digests cover
+    every file) is checked before any file is unpickled; a mismatch means the
+    checkpoint was not written by a holder of the key, or was changed since.
+    """
+
+    def __init__(self, path: Path, reason: str) -> None:
+        self.path = path
+        self.reason = reason
+        super().__init__(
+            f"checkpoint {path} failed the keyed-manifest check: {reason}; nothing was "
+            f"read. Check the key, or load it without key= only if you trust its source."
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.path, self.reason))

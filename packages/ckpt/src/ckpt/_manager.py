@@ -58,7 +58,8 @@ class CheckpointManager:
 
     root: Path
     keep_last: int | None
-    checksum: Checksum | str
+    checksum: Checksum | str | None
+    key: bytes | str | None
     process_group: dist.ProcessGroup | None
 
     def __init__(
@@ -66,7 +67,8 @@ class CheckpointManager:
         root: PathLike,
         *,
         keep_last: int | None = None,
-        checksum: Checksum | str = Checksum.CRC32,
+        checksum: Checksum | str | None = None,
+        key: bytes | str | None = None,
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
         if keep_last is not None and (isinstance(keep_last, bool) or keep_last < 1):
@@ -74,6 +76,7 @@ class CheckpointManager:
         self.root = _as_path(root)
         self.keep_last = keep_last
         self.checksum = checksum
+        self.key = key  # signs every save and is required by every load (keyed manifest)
         self.process_group = process_group
 
     def path(self, step: int) -> Path:
@@ -130,6 +133,7 @@ class CheckpointManager:
             self.path(step),
             overwrite=overwrite,
             checksum=self.checksum,
+            key=self.key,
             process_group=self.process_group,
             _on_commit=self._prune,
         )
@@ -143,6 +147,7 @@ class CheckpointManager:
             self.path(step),
             overwrite=overwrite,
             checksum=self.checksum,
+            key=self.key,
             process_group=self.process_group,
             _on_commit=self._prune,
         )
@@ -160,6 +165,7 @@ class CheckpointManager:
         chosen = self._choose(step)
         if chosen is None:
             raise NotACheckpointError(self.root, "it holds no committed step_<N> checkpoint yet")
+        kwargs.setdefault("key", self.key)
         load(state, self.path(chosen), process_group=self.process_group, **kwargs)
         return chosen
 
@@ -171,6 +177,7 @@ class CheckpointManager:
         chosen = self._choose(None)
         if chosen is None:
             return None
+        kwargs.setdefault("key", self.key)
         load(state, self.path(chosen), process_group=self.process_group, **kwargs)
         return chosen
 

@@ -18,12 +18,22 @@ Hashing is split across ranks: at save each rank hashes the files it wrote
 The default checksum is CRC-32 (``zlib.crc32``): measured at about 4 GB/s on one core
 against 0.8 GB/s for BLAKE2b, and with the size check it catches every accidental
 corruption we care about. BLAKE2b is available where a cryptographic digest is wanted.
+
+[Note: keyed manifest]
+The checksums detect accident, not intent: whoever can write the files can rewrite the
+manifest to match. With a ``key`` (bytes the user keeps apart from the checkpoints),
+save records BLAKE2b digests and an HMAC-SHA256 of the manifest's canonical JSON
+(``hmac`` field, excluded from what it signs); load/verify with the key check the HMAC
+first, then the digests of every file, and only then unpickle anything. BLAKE2b is
+required: with CRC-32 a forger could match the signed digests by construction.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import hashlib
+import hmac
 import json
 import os
 import re
@@ -34,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckpt._errors import CorruptCheckpointError, FileProblem
+from ckpt._errors import CorruptCheckpointError, FileProblem, SignatureError
 
 __all__ = [
     "MANIFEST_NAME",
@@ -42,9 +52,11 @@ __all__ = [
     "FileRecord",
     "Manifest",
     "balance_files",
+    "check_signature",
     "file_owner",
     "hash_file",
     "read_manifest",
+    "sign_manifest",
     "verify_files",
     "write_manifest",
 ]
@@ -108,15 +120,35 @@ class Manifest:
     created: float  # seconds since the epoch, when the manifest was written
     ckpt_version: str
     torch_version: str
+    # HMAC-SHA256 (hex) of signed_bytes() under the user's key; None when saved unkeyed.
+    mac: str | None = None
+    # State entry -> "package.Class" of the object saved there (fsdp.FullyShardedDataParallel,
+    # zero_optim.ZeroRedundancyOptimizer, ...), for ``ckpt ls``; empty in older manifests.
+    saved_by: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:
         """Bytes of all files the manifest covers (the manifest itself excluded)."""
         return sum(f.size for f in self.files)
 
+    def signed_bytes(self) -> bytes:
+        """What the keyed manifest's HMAC covers: every field but the HMAC itself."""
+        body = self._body()
+        if self.saved_by:
+            body["saved_by"] = dict(self.saved_by)
+        return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
     def to_json(self) -> str:
         """The on-disk form; stable key order so equal manifests are equal bytes."""
-        body: dict[str, Any] = {
+        body = self._body()
+        if self.saved_by:
+            body["saved_by"] = dict(self.saved_by)
+        if self.mac is not None:
+            body["hmac"] = self.mac
+        return json.dumps(body, indent=1, sort_keys=True) + "\n"
+
+    def _body(self) -> dict[str, Any]:
+        return {
             "format": _FORMAT,
             "version": _FORMAT_VERSION,
             "checksum": self.checksum.value,
@@ -126,7 +158,6 @@ class Manifest:
             "torch_version": self.torch_version,
             "files": [{"name": f.name, "size": f.size, "digest": f.digest} for f in self.files],
         }
-        return json.dumps(body, indent=1, sort_keys=True) + "\n"
 
     @classmethod
     def from_json(cls, text: str, where: Path) -> Manifest:
@@ -158,9 +189,32 @@ class Manifest:
                 created=float(body["created"]),
                 ckpt_version=str(body["ckpt_version"]),
                 torch_version=str(body["torch_version"]),
+                mac=None if body.get("hmac") is None else str(body["hmac"]),
+                saved_by={str(k): str(v) for k, v in dict(body.get("saved_by") or {}).items()},
             )
         except (KeyError, TypeError, ValueError) as e:
             raise bad(f"missing or malformed field ({type(e).__name__}: {e})") from None
+
+
+def _mac(manifest: Manifest, key: bytes) -> str:
+    return hmac.new(key, manifest.signed_bytes(), hashlib.sha256).hexdigest()
+
+
+def sign_manifest(manifest: Manifest, key: bytes) -> Manifest:
+    """``manifest`` with its HMAC under ``key`` (see [Note: keyed manifest])."""
+    if manifest.checksum is not Checksum.BLAKE2B:
+        raise ValueError("a keyed manifest needs checksum='blake2b' (CRC-32 can be forged)")
+    return dataclasses.replace(manifest, mac=_mac(manifest, key))
+
+
+def check_signature(manifest: Manifest, key: bytes, where: Path) -> None:
+    """Raise ``SignatureError`` unless ``manifest`` was signed with ``key``."""
+    if manifest.mac is None:
+        raise SignatureError(where, "the manifest is not signed (it was saved without key=)")
+    if manifest.checksum is not Checksum.BLAKE2B:
+        raise SignatureError(where, f"the manifest's digests are {manifest.checksum.value}")
+    if not hmac.compare_digest(manifest.mac, _mac(manifest, key)):
+        raise SignatureError(where, "the manifest's HMAC does not match this key")
 
 
 def write_manifest(directory: Path, manifest: Manifest) -> None:
@@ -184,7 +238,12 @@ def read_manifest(directory: Path) -> Manifest:
     return Manifest.from_json(text, directory)
 
 
-def new_manifest(records: Iterable[FileRecord], checksum: Checksum, world_size: int) -> Manifest:
+def new_manifest(
+    records: Iterable[FileRecord],
+    checksum: Checksum,
+    world_size: int,
+    saved_by: Mapping[str, str] | None = None,
+) -> Manifest:
     """A manifest of ``records`` stamped with the current time and versions."""
     import torch
 
@@ -197,6 +256,7 @@ def new_manifest(records: Iterable[FileRecord], checksum: Checksum, world_size: 
         created=time.time(),
         ckpt_version=__version__,
         torch_version=str(torch.__version__),
+        saved_by=dict(saved_by or {}),
     )
 
 

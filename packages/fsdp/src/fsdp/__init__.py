@@ -28,6 +28,7 @@ from fsdp.api import (
 )
 from fsdp.fully_sharded_data_parallel import FullyShardedDataParallel
 from fsdp.sharded_grad_scaler import ShardedGradScaler
+from fsdp.shards import LocalShard, is_flat_parameter, local_shards, unwrapped_name
 
 __all__ = [
     "BackwardPrefetch",
@@ -36,6 +37,7 @@ __all__ = [
     "FullStateDictConfig",
     "FullyShardedDataParallel",
     "LocalOptimStateDictConfig",
+    "LocalShard",
     "LocalStateDictConfig",
     "MemoryEstimate",
     "MixedPrecision",
@@ -53,6 +55,9 @@ __all__ = [
     "UnitSize",
     "__version__",
     "estimate_memory",
+    "is_flat_parameter",
+    "local_shards",
     "to_fsdp_policy",
     "to_fsdp_type",
+    "unwrapped_name",
 ]
