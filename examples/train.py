@@ -79,7 +79,12 @@ def run_rank(cfg: TrainConfig) -> int:
             f"most --pg-timeout {cfg.pg_timeout:g} s).\n"
             f"  {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}\n"
             f"  newest checkpoint: {latest or 'none'}"
-            + (" (continue with --resume)" if latest else ""),
+            + (
+                " (continue with --resume; under torchrun --max-restarts the job resumes "
+                "from it by itself)"
+                if latest
+                else ""
+            ),
             file=sys.stderr,
             flush=True,
         )

@@ -17,6 +17,7 @@ run concurrently, and the model is tiny.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -75,16 +76,37 @@ class Launch:
         try:
             out, _ = self.proc.communicate(timeout=LAUNCH_TIMEOUT)
         except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.kill()
             out, _ = self.proc.communicate()
             pytest.fail(f"train.py did not finish in {LAUNCH_TIMEOUT} s:\n{out[-4000:]}")
         return self.proc.returncode, out
+
+    def kill(self) -> None:
+        """SIGKILL the launch and every process under it: torch's agent starts the ranks
+        in sessions of their own, out of reach of a kill of the launch's group."""
+        family, grew = {self.proc.pid}, True
+        while grew:
+            grew = False
+            for stat in Path("/proc").glob("[0-9]*/stat"):
+                try:
+                    pid, ppid = (
+                        int(stat.parent.name),
+                        int(stat.read_text().rsplit(")", 1)[1].split()[1]),
+                    )
+                except (OSError, ValueError, IndexError):
+                    continue
+                if ppid in family and pid not in family:
+                    family.add(pid)
+                    grew = True
+        for pid in family:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
     def wait_for_line(self, pattern: str) -> re.Match[str]:
         """Read the output until a line matches ``pattern``; the rest is kept for
         ``finish``. Kills the launch if none does within the timeout."""
         assert self.proc.stdout is not None
-        timer = threading.Timer(LAUNCH_TIMEOUT, os.killpg, (self.proc.pid, signal.SIGKILL))
+        timer = threading.Timer(LAUNCH_TIMEOUT, self.kill)
         timer.start()
         seen: list[str] = []
         try:
