@@ -256,7 +256,11 @@ class Trainer:
             try:
                 self._resume(plan.path)
             except ckpt.CorruptCheckpointError as exc:
-                if not cfg.move_aside_damaged or resume != NEWEST:
+                if resume != NEWEST:
+                    raise CheckpointError(
+                        f"{exc}\n--resume {resume}: choose another checkpoint (--resume STEP)"
+                    ) from exc
+                if not cfg.move_aside_damaged:
                     raise CheckpointError(
                         f"{exc}\n--resume: pass --move-aside-damaged to rename "
                         f"{plan.path.name} to {plan.path.name}.damaged and resume from the "
