@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 
 import nox
+import nox.command
 
 ROOT = Path(__file__).parent
 # Dependency order: each package only needs the ones before it.
@@ -152,11 +153,16 @@ def train(session: nox.Session) -> None:
     args = list(session.posargs)
     if not any(a.split("=")[0] == "--nproc-per-node" for a in args):
         args = ["--nproc-per-node", "2", *args]
-    session.run(
-        "python", str(ROOT / "examples" / "train.py"), *args,
-        env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")},
-        interrupt_timeout=None,  # let the ranks finish their step and checkpoint
-    )  # fmt: skip
+    try:
+        session.run(
+            "python", str(ROOT / "examples" / "train.py"), *args,
+            env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")},
+            interrupt_timeout=None,  # let the ranks finish their step and checkpoint
+        )  # fmt: skip
+    except nox.command.CommandFailed as exc:
+        if exc.return_code == 130:  # stopped by a signal after a checkpoint (SIGTERM too)
+            raise KeyboardInterrupt from None  # nox: "Session train interrupted."
+        raise
 
 
 @nox.session
