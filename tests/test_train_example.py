@@ -247,7 +247,7 @@ def test_train_interrupt_resume_at_two_world_sizes(tmp_path: Path) -> None:
     assert out_again.count("error:") == 1 and "pass --resume" in out_again, out_again
     one_voice(out_again)
     rc_done, out_done = done.finish()
-    assert rc_done == 0 and "the end of a finished run (step 8 of --steps 8)" in out_done
+    assert rc_done == 0 and "the end of a finished run (step 8, --steps 8)" in out_done
     assert "run summary" not in out_done, out_done
     more = Launch(1, [*TINY, "--steps", "10", "--out-dir", "ref", "--resume"], tmp_path)
     rc_more, out_more = more.finish()

@@ -275,7 +275,7 @@ class Trainer:
                 continue
             if self.step >= cfg.steps:
                 self.reporter.print(
-                    f"{plan.path} is the end of a finished run (step {self.step} of "
+                    f"{plan.path} is the end of a finished run (step {self.step}, "
                     f"--steps {cfg.steps}): nothing to train. Pass --steps N with N > "
                     f"{self.step} to train on (the learning rate stays on the schedule of "
                     f"--steps {self.schedule_steps}, see --help), or --overwrite to start "
