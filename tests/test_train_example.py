@@ -391,6 +391,7 @@ def test_train_on_two_nodes_with_hybrid_shard_resumes_on_one(tmp_path: Path) -> 
     _assert_close(losses(tmp_path / "nodes"), four, OTHER_WORLD_REL)
 
 
+@pytest.mark.slow  # three interpreter starts, ~5 s each
 def test_train_usage_errors_speak_once_and_exit_2(tmp_path: Path) -> None:
     # Checked before any rank starts: one message, status 2, no traceback.
     for args, message in (
