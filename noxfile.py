@@ -7,12 +7,14 @@ build, e.g. ``FSDP_TORCH_SPEC="torch==2.13.0 --index-url ..."`` on a GPU box.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shlex
 import tempfile
 from pathlib import Path
 
 import nox
+import nox.command
 
 ROOT = Path(__file__).parent
 # Dependency order: each package only needs the ones before it.
@@ -138,28 +140,45 @@ def _check_versions(session: nox.Session) -> None:
     session.run("python", str(ROOT / "tools" / "install_check.py"), "--pins", str(ROOT))
 
 
+def _stack_stamp(*extra: str) -> str:
+    """A digest of everything ``_install_stack`` installs: our packages' files, the torch
+    spec and ``extra``; equal digests mean a reinstall would change nothing."""
+    digest = hashlib.sha256(shlex.join([*TORCH, *extra]).encode())
+    for name in PACKAGES:
+        for path in sorted((ROOT / "packages" / name).rglob("*")):
+            if path.is_file() and "__pycache__" not in path.parts:
+                digest.update(str(path.relative_to(ROOT)).encode())
+                digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
 @nox.session
 def train(session: nox.Session) -> None:
-    """examples/train.py under torchrun, 2 ranks on CPU unless told otherwise, with the
-    whole stack installed. Arguments after ``--`` go to train.py, except
-    ``--nproc-per-node N``, which goes to torchrun: ``nox -s train -- --nproc-per-node 4
-    --wrapper ddp``."""
-    _install_stack(session, *EXAMPLE_DEPS)
-    nproc, args = "2", list(session.posargs)
-    for i, arg in enumerate(args):
-        if arg.startswith("--nproc-per-node="):
-            nproc = arg.split("=", 1)[1]
-            del args[i]
-            break
-        if arg == "--nproc-per-node" and i + 1 < len(args):
-            nproc = args[i + 1]
-            del args[i : i + 2]
-            break
-    session.run(
-        "torchrun", "--standalone", f"--nproc-per-node={nproc}",
-        str(ROOT / "examples" / "train.py"), *args,
-        env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")},
-    )  # fmt: skip
+    """examples/train.py on 2 ranks (its own launcher) with the whole stack installed;
+    the installation is skipped when nothing in it changed since the last call.
+    Arguments after ``--`` go to train.py: ``nox -s train -- --nproc-per-node 4
+    --wrapper ddp``. Ctrl-C is passed on and waited for (the ranks save a checkpoint),
+    and nox reports the session as interrupted."""
+    stamp_file = Path(session.virtualenv.location) / ".tinygpt-stack"
+    stamp = _stack_stamp(*EXAMPLE_DEPS)
+    if stamp_file.is_file() and stamp_file.read_text() == stamp:
+        session.log("the stack is installed and unchanged: not reinstalling")
+    else:
+        _install_stack(session, *EXAMPLE_DEPS)
+        stamp_file.write_text(stamp)
+    args = list(session.posargs)
+    if not any(a.split("=")[0] == "--nproc-per-node" for a in args):
+        args = ["--nproc-per-node", "2", *args]
+    try:
+        session.run(
+            "python", str(ROOT / "examples" / "train.py"), *args,
+            env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")},
+            interrupt_timeout=None,  # let the ranks finish their step and checkpoint
+        )  # fmt: skip
+    except nox.command.CommandFailed as exc:
+        if exc.return_code == 130:  # stopped by a signal after a checkpoint (SIGTERM too)
+            raise KeyboardInterrupt from None  # nox: "Session train interrupted."
+        raise
 
 
 @nox.session

@@ -1,31 +1,50 @@
 """Train a small byte-level GPT across processes with our sharded data-parallel stack.
 
-    torchrun --standalone --nproc-per-node 2 examples/train.py   # our FSDP, FULL_SHARD
-    nox -s train                  # the same, with the stack installed, 2 ranks on CPU
+    python examples/train.py --nproc-per-node 2   # 2 ranks, our FSDP, FULL_SHARD
+    nox -s train                  # the same, with the stack installed
+    torchrun --nnodes 2 --nproc-per-node 8 ... examples/train.py   # one rank per process
 
-Parse the config, build, train, report; whatever happens, leave the process group.
-The pieces live in ``examples/tinygpt/``; ``--help`` lists every option.
+Parse the config, check it, then either start the ranks (--nproc-per-node, see
+tinygpt/launch.py) or be one: build, train, report, and whatever happens, leave the
+process group. The pieces live in ``examples/tinygpt/``; ``--help`` lists every option.
 """
 
 from __future__ import annotations
 
+import os
 import sys
+from pathlib import Path
 
 import torch.distributed
 from tinygpt.checkpoint import latest_checkpoint
-from tinygpt.config import parse_config
+from tinygpt.config import TrainConfig, parse_command_line
 from tinygpt.distributed import destroy_distributed, init_distributed, is_peer_failure
+from tinygpt.launch import EXIT_INTERRUPTED, EXIT_USAGE, launch, strip_option
 from tinygpt.parallel import WrapperNotAvailableError, check_available
 from tinygpt.trainer import Trainer
 
 import ckpt
 
-EXIT_INTERRUPTED = 130  # the shell's code for "stopped by Ctrl-C"
-
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the program; returns the process exit code."""
-    cfg = parse_config(argv)
+    """Run the program; returns the process exit code (0, 2 usage or configuration
+    error, 130 interrupted, 1 anything else)."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    cfg, nproc = parse_command_line(args)
+    if "RANK" not in os.environ:  # not started by a launcher: check before spawning
+        try:
+            check_available(cfg)
+            cfg.check_world_size(nproc or 1)
+        except (WrapperNotAvailableError, ValueError) as exc:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            return EXIT_USAGE
+        if nproc is not None:
+            return launch(nproc, Path(__file__), strip_option(args, "--nproc-per-node"))
+    return run_rank(cfg)
+
+
+def run_rank(cfg: TrainConfig) -> int:
+    """Be one rank of the job: train, report, sample; the exit code of this rank."""
     rank = "?"
     trainer: Trainer | None = None
     try:
@@ -33,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         env = init_distributed(cfg)
         rank = str(env.rank)
         trainer = Trainer(cfg, env)
-        trainer.start()
+        if not trainer.start():
+            return 0  # a finished run: start() said so
         result = trainer.fit()
         trainer.summarize(result)
         if result.interrupted:
@@ -47,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         # another model, and ckpt's (a corrupt file, a missing key), raised on every rank.
         if rank in ("?", "0"):  # the same mistake on every rank: say it once
             print(f"error: {exc}", file=sys.stderr, flush=True)
-        return 2
+        return EXIT_USAGE
     except Exception as exc:
         if not is_peer_failure(exc):
             raise
@@ -59,7 +79,12 @@ def main(argv: list[str] | None = None) -> int:
             f"most --pg-timeout {cfg.pg_timeout:g} s).\n"
             f"  {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}\n"
             f"  newest checkpoint: {latest or 'none'}"
-            + (" (continue with --resume)" if latest else ""),
+            + (
+                " (continue with --resume; under torchrun --max-restarts the job resumes "
+                "from it by itself)"
+                if latest
+                else ""
+            ),
             file=sys.stderr,
             flush=True,
         )

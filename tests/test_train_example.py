@@ -1,22 +1,33 @@
 """examples/train.py end to end: with the default wrapper (our FSDP, FULL_SHARD) it
-trains, stops cleanly on SIGINT with a checkpoint, and resumes at world sizes 2 and 1
-with the losses of an uninterrupted run; DDP + our ZeroRedundancyOptimizer and plain
-DDP checkpoint and resume too; a dead rank makes the others exit with a clear message.
-Plus its pure pieces (data order, config checks, corpus) in one process.
+trains, stops cleanly on SIGINT with a checkpoint (exit 130), and resumes at world
+sizes 2 and 1 with the losses of an uninterrupted run; DDP + our
+ZeroRedundancyOptimizer and plain DDP checkpoint and resume too, and torch's own FSDP1
+runs on CPU with the same losses as ours; user errors exit 2 with one message; damaged
+checkpoints are named, never skipped silently; a dead rank makes the others exit with
+a clear message; under ``torchrun --max-restarts`` a killed rank's job resumes by
+itself; two torchrun agents (``--nnodes 2``) train with HYBRID_SHARD and their
+checkpoint resumes at 2 ranks. Plus its pure pieces (data order, config checks, corpus)
+in one process.
 
-The program is launched the way a user launches it: ``torchrun`` in a subprocess, with
-a hard timeout. Each launch costs a few seconds of interpreter start, so launches that
-do not depend on each other run concurrently, and the model is tiny.
+The program is launched the way a user launches it: ``train.py --nproc-per-node N``
+(its own launcher) or ``torchrun``, in a subprocess with a hard timeout. Each launch
+costs a few seconds of interpreter start, so launches that do not depend on each other
+run concurrently, and the model is tiny.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import threading
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -30,7 +41,7 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 TRAIN = EXAMPLES / "train.py"
 sys.path.insert(0, str(EXAMPLES))
 
-from tinygpt.config import TrainConfig, parse_config  # noqa: E402
+from tinygpt.config import TrainConfig, parse_command_line, parse_config  # noqa: E402
 from tinygpt.data import BatchSampler, epoch_windows, rank_slice  # noqa: E402
 
 LAUNCH_TIMEOUT = 120  # seconds; a launch normally takes 5-10
@@ -43,13 +54,17 @@ TINY = [
 
 
 class Launch:
-    """One ``torchrun`` of train.py in its own session, so a timeout kills it all."""
+    """One launch of train.py in its own session, so a timeout kills it all: by its own
+    launcher (``--nproc-per-node``, what the README shows), or under the torchrun
+    options ``torchrun`` (then ``nproc`` is not used)."""
 
-    def __init__(self, nproc: int, args: Sequence[str], cwd: Path) -> None:
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone",
-            "--nproc-per-node", str(nproc), str(TRAIN), *args,
-        ]  # fmt: skip
+    def __init__(
+        self, nproc: int, args: Sequence[str], cwd: Path, torchrun: Sequence[str] = ()
+    ) -> None:
+        if torchrun:
+            cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun, str(TRAIN), *args]
+        else:
+            cmd = [sys.executable, str(TRAIN), "--nproc-per-node", str(nproc), *args]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(
             cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -61,10 +76,68 @@ class Launch:
         try:
             out, _ = self.proc.communicate(timeout=LAUNCH_TIMEOUT)
         except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.kill()
             out, _ = self.proc.communicate()
             pytest.fail(f"train.py did not finish in {LAUNCH_TIMEOUT} s:\n{out[-4000:]}")
         return self.proc.returncode, out
+
+    def kill(self) -> None:
+        """SIGKILL the launch and every process under it: torch's agent starts the ranks
+        in sessions of their own, out of reach of a kill of the launch's group."""
+        family, grew = {self.proc.pid}, True
+        while grew:
+            grew = False
+            for stat in Path("/proc").glob("[0-9]*/stat"):
+                try:
+                    pid, ppid = (
+                        int(stat.parent.name),
+                        int(stat.read_text().rsplit(")", 1)[1].split()[1]),
+                    )
+                except (OSError, ValueError, IndexError):
+                    continue
+                if ppid in family and pid not in family:
+                    family.add(pid)
+                    grew = True
+        for pid in family:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    def wait_for_line(self, pattern: str) -> re.Match[str]:
+        """Read the output until a line matches ``pattern``; the rest is kept for
+        ``finish``. Kills the launch if none does within the timeout."""
+        assert self.proc.stdout is not None
+        timer = threading.Timer(LAUNCH_TIMEOUT, self.kill)
+        timer.start()
+        seen: list[str] = []
+        try:
+            for line in self.proc.stdout:
+                seen.append(line)
+                match = re.search(pattern, line)
+                if match is not None:
+                    self._seen = "".join(seen)
+                    return match
+        finally:
+            timer.cancel()
+        pytest.fail(f"no line matched {pattern!r}:\n{''.join(seen)[-4000:]}")
+
+    def finish_after_wait(self) -> tuple[int, str]:
+        """``finish`` after ``wait_for_line``, with the lines read before."""
+        rc, rest = self.finish()
+        return rc, self._seen + rest
+
+
+def free_port() -> int:
+    """A port nobody listens on now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def one_voice(out: str) -> None:
+    """No launcher dump and no traceback: what a user error or Ctrl-C must look like."""
+    for noise in ("Traceback", "ChildFailedError", "SignalException", "elastic"):
+        assert noise not in out, out
 
 
 def losses(out_dir: Path) -> dict[int, float]:
@@ -112,16 +185,22 @@ def test_train_interrupt_resume_at_two_world_sizes(tmp_path: Path) -> None:
     )
     zero = Launch(2, [*TINY, *every3, "--wrapper", "ddp-zero", "--out-dir", "zero"], tmp_path)
     ddp = Launch(2, [*TINY, *every3, "--wrapper", "ddp", "--out-dir", "ddp"], tmp_path)
+    # torch's own FSDP1, on CPU (device_id=cpu): the side-by-side comparison.
+    theirs = Launch(2, [*TINY, "--impl", "torch", "--out-dir", "torch"], tmp_path)
     rc_ref, out_ref = ref.finish()
     rc_cut, out_cut = cut.finish()
     rc_zero, out_zero = zero.finish()
     rc_ddp, out_ddp = ddp.finish()
+    rc_theirs, out_theirs = theirs.finish()
     assert rc_ref == 0, out_ref
     assert rc_zero == 0, out_zero
     assert rc_ddp == 0, out_ddp
+    assert rc_theirs == 0, out_theirs
     assert "fsdp FULL_SHARD (ours), 2 ranks" in out_ref, out_ref
-    assert rc_cut != 0, out_cut  # interrupted: 130 from the workers, reported by torchrun
+    assert "fsdp FULL_SHARD (torch), 2 ranks" in out_theirs, out_theirs
+    assert rc_cut == 130, out_cut  # interrupted, with a checkpoint
     assert "stopped after step 3" in out_cut, out_cut
+    one_voice(out_cut)
     assert sorted(p.name for p in (tmp_path / "cut" / "checkpoints").iterdir()) == ["step_00000003"]
     assert sorted(p.name for p in (tmp_path / "zero" / "checkpoints").iterdir()) == [
         "step_00000003",
@@ -139,6 +218,7 @@ def test_train_interrupt_resume_at_two_world_sizes(tmp_path: Path) -> None:
     full_zero, full_ddp = losses(tmp_path / "zero"), losses(tmp_path / "ddp")
     _assert_close(full_zero, full, OTHER_WORLD_REL)
     _assert_close(full_ddp, full, OTHER_WORLD_REL)
+    assert losses(tmp_path / "torch") == full  # torch's FSDP1 and ours: the same bits
 
     # fsdp: resume the interrupted run at world size 2 and, from a copy, at 1; ddp-zero
     # at world size 1 and ddp at 2 from their step-3 checkpoints.
@@ -150,15 +230,33 @@ def test_train_interrupt_resume_at_two_world_sizes(tmp_path: Path) -> None:
     at1 = Launch(1, [*TINY, "--out-dir", "cut1", "--resume"], tmp_path)
     zero1 = Launch(1, [*TINY, "--wrapper", "ddp-zero", "--out-dir", "zero1", "--resume"], tmp_path)
     ddp2 = Launch(2, [*TINY, "--wrapper", "ddp", "--out-dir", "ddp2", "--resume"], tmp_path)
-    # And a resume with another model shape, which must say what differs.
+    # And a resume with another model shape, which must say what differs; a fresh run
+    # into a folder of checkpoints; the resume of a finished run; one with more steps.
     wide = Launch(1, [*TINY, "--d-model", "64", "--out-dir", "wide", "--resume"], tmp_path)
+    again = Launch(2, [*TINY, "--out-dir", "ref"], tmp_path)
+    done = Launch(1, [*TINY, "--out-dir", "ref", "--resume"], tmp_path)
     results = {name: launch.finish() for name, launch in
                [("at2", at2), ("at1", at1), ("zero1", zero1), ("ddp2", ddp2)]}  # fmt: skip
     rc_wide, out_wide = wide.finish()
-    assert rc_wide != 0, out_wide
+    assert rc_wide == 2, out_wide
     assert "is a checkpoint of another model (d_model: checkpoint 32 vs this run 64)" in (
         out_wide
     ), out_wide
+    rc_again, out_again = again.finish()
+    assert rc_again == 2, out_again
+    assert out_again.count("error:") == 1 and "pass --resume" in out_again, out_again
+    one_voice(out_again)
+    rc_done, out_done = done.finish()
+    assert rc_done == 0 and "the end of a finished run (step 8, --steps 8)" in out_done
+    assert "run summary" not in out_done, out_done
+    more = Launch(1, [*TINY, "--steps", "10", "--out-dir", "ref", "--resume"], tmp_path)
+    rc_more, out_more = more.finish()
+    assert rc_more == 0, out_more
+    # [Note: the schedule of a resumed run]: past the 8 steps it started with, the
+    # learning rate stays at the end of its curve instead of jumping.
+    lrs = {r["step"]: r["lr"] for r in map(json.loads, (tmp_path / "ref" / "metrics.jsonl")
+                                           .read_text().splitlines())}  # fmt: skip
+    assert lrs[8] == lrs[9] == lrs[10] == pytest.approx(3e-4), lrs
     for name, (rc, out) in results.items():
         assert rc == 0, (name, out)
         assert "resumed from" in out and "at step 3" in out, (name, out)
@@ -184,26 +282,152 @@ def test_train_a_dead_rank_stops_the_others(tmp_path: Path) -> None:
         tmp_path,
     )  # fmt: skip
     rc, out = crash.finish()
-    assert rc != 0, out
+    assert rc == 1, out
     assert "[rank 1] --inject-crash-at-step 3: dying" in out
+    assert "train.py: rank 1 exited with status 3" in out, out
     # Rank 0 either reports the broken collective itself or is stopped by torchrun
     # first; either way the launch ends well within the process-group timeout.
     assert "another rank died" in out or "SIGTERM" in out, out
 
 
+@pytest.mark.slow
+def test_train_resume_names_damaged_checkpoints_and_takes_the_one_asked(tmp_path: Path) -> None:
+    every2 = ["--checkpoint-every", "2", "--keep-checkpoints", "4"]
+    rc, out = Launch(2, [*TINY, *every2, "--out-dir", "base"], tmp_path).finish()
+    assert rc == 0, out
+    full = losses(tmp_path / "base")
+    for name in ("lost", "fixed", "chosen"):
+        shutil.copytree(tmp_path / "base", tmp_path / name)
+    for name in ("lost", "fixed"):
+        # step 8 lost its manifest (an interrupted copy, say); step 6 has a flipped byte.
+        (tmp_path / name / "checkpoints" / "step_00000008" / "ckpt-manifest.json").unlink()
+        data = max((tmp_path / name / "checkpoints" / "step_00000006").iterdir(),
+                   key=lambda f: f.stat().st_size)  # fmt: skip
+        raw = bytearray(data.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        data.write_bytes(raw)
+    lost = Launch(2, [*TINY, "--out-dir", "lost", "--resume"], tmp_path)
+    fixed = Launch(2, [*TINY, "--out-dir", "fixed", "--resume", "--move-aside-damaged"], tmp_path)
+    chosen = Launch(2, [*TINY, "--out-dir", "chosen", "--resume", "2"], tmp_path)
+    rc_lost, out_lost = lost.finish()
+    rc_fixed, out_fixed = fixed.finish()
+    rc_chosen, out_chosen = chosen.finish()
+    # Never a silent skip: the damaged newest one is named with the option that helps.
+    assert rc_lost == 2, out_lost
+    assert "step_00000008 is damaged (no ckpt manifest" in out_lost, out_lost
+    assert "Pass --move-aside-damaged" in out_lost, out_lost
+    one_voice(out_lost)
+    # With the option: both damaged ones are set aside, each with its reason.
+    assert rc_fixed == 0, out_fixed
+    assert "moved step_00000008 aside to step_00000008.damaged" in out_fixed, out_fixed
+    assert "moved step_00000006 aside to step_00000006.damaged: it failed verification" in (
+        out_fixed
+    ), out_fixed
+    assert "at step 4" in out_fixed, out_fixed
+    assert losses(tmp_path / "fixed") == full
+    # The one asked for, the newer ones named.
+    assert rc_chosen == 0, out_chosen
+    assert "resuming from step_00000002 as asked (--resume 2), passing over the newer " in (
+        out_chosen
+    ), out_chosen
+    assert losses(tmp_path / "chosen") == full
+
+
+@pytest.mark.slow
+def test_train_restarted_by_torchrun_resumes_after_a_rank_is_killed(tmp_path: Path) -> None:
+    # A real process is killed: rank 1 reports its pid and blocks in step 5 of the first
+    # attempt (no sleep-based timing), the test kills it with SIGKILL, torchrun restarts
+    # the job, which resumes from step 4's checkpoint by itself.
+    args = [*TINY, "--checkpoint-every", "2", "--out-dir", "restart"]
+    ref = Launch(2, [*TINY, "--out-dir", "ref"], tmp_path)
+    job = Launch(
+        2,
+        [*args, "--inject-hang-at-step", "5", "--inject-rank", "1"],
+        tmp_path,
+        torchrun=["--standalone", "--nproc-per-node", "2", "--max-restarts", "2"],
+    )
+    pid = int(job.wait_for_line(r"--inject-hang-at-step 5: waiting to be killed \(pid (\d+)\)")[1])
+    os.kill(pid, signal.SIGKILL)
+    rc, out = job.finish_after_wait()
+    rc_ref, out_ref = ref.finish()
+    assert rc_ref == 0, out_ref
+    assert rc == 0, out
+    assert "restarted by the launcher (restart 1): resuming from the newest checkpoint" in out
+    assert "at step 4" in out, out
+    assert losses(tmp_path / "restart") == losses(tmp_path / "ref")
+
+
+@pytest.mark.slow
+def test_train_on_two_nodes_with_hybrid_shard_resumes_on_one(tmp_path: Path) -> None:
+    # Two torchrun agents as two "nodes" of 2 processes each, meeting at a c10d
+    # rendezvous on localhost (the README's multi-node commands); HYBRID_SHARD shards
+    # inside a node (LOCAL_WORLD_SIZE 2) and replicates across them. The 4-rank
+    # checkpoint of step 4 then resumes on one node, 2 ranks.
+    endpoint, run_id = f"127.0.0.1:{free_port()}", uuid.uuid4().hex
+    args = [*TINY, "--strategy", "HYBRID_SHARD", "--checkpoint-every", "4", "--out-dir", "nodes"]
+
+    def agent(node: int) -> list[str]:
+        return [
+            "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "2",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
+            "--rdzv-conf", f"is_host={int(node == 0)}",
+        ]  # fmt: skip
+
+    agents = [Launch(2, args, tmp_path, torchrun=agent(node)) for node in (0, 1)]
+    ref = Launch(2, [*TINY, "--out-dir", "ref"], tmp_path)
+    (rc0, out0), (rc1, out1) = (agent.finish() for agent in agents)
+    assert rc0 == 0 and rc1 == 0, out0 + out1
+    rc_ref, out_ref = ref.finish()
+    assert rc_ref == 0, out_ref
+    out = out0 + out1
+    assert "fsdp HYBRID_SHARD (ours), 4 ranks" in out, out
+    four = losses(tmp_path / "nodes")
+    _assert_close(four, losses(tmp_path / "ref"), OTHER_WORLD_REL)  # same batches
+    shutil.rmtree(tmp_path / "nodes" / "checkpoints" / "step_00000008")
+    rc2, out2 = Launch(2, [*args, "--resume"], tmp_path).finish()
+    assert rc2 == 0, out2
+    assert "at step 4 (saved by 4 ranks, now 2)" in out2, out2
+    assert "fsdp HYBRID_SHARD (ours), 2 ranks" in out2, out2
+    _assert_close(losses(tmp_path / "nodes"), four, OTHER_WORLD_REL)
+
+
+@pytest.mark.slow  # three interpreter starts, ~5 s each
+def test_train_usage_errors_speak_once_and_exit_2(tmp_path: Path) -> None:
+    # Checked before any rank starts: one message, status 2, no traceback.
+    for args, message in (
+        (["--wrapper", "foo"], "argument --wrapper: invalid choice: 'foo'"),
+        (["--steps", "-1"], "--steps must be positive, got -1"),
+        (["--batch-size", "4", "--nproc-per-node", "3"], "--batch-size(4) < WORLD_SIZE(3)"),
+    ):
+        run = subprocess.run(
+            [sys.executable, str(TRAIN), *args], cwd=tmp_path, capture_output=True,
+            text=True, check=False, timeout=LAUNCH_TIMEOUT,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )  # fmt: skip
+        assert run.returncode == 2, run
+        assert run.stdout == "" and run.stderr.count("error:") == 1, run
+        assert message in run.stderr, run
+        one_voice(run.stderr)
+    assert not (tmp_path / "runs").exists()
+
+
 def test_train_refuses_bad_config() -> None:
     cfg = TrainConfig(wrapper="ddp", batch_size=12, grad_accum=2)
-    with pytest.raises(ValueError, match=r"--batch-size\(12\) % \(WORLD_SIZE\(4\) \* "):
-        cfg.check_world_size(4)
-    cfg.check_world_size(3)  # 12 % (3 * 2) == 0
+    with pytest.raises(ValueError, match=r"--batch-size\(12\) < WORLD_SIZE\(7\) \* "):
+        cfg.check_world_size(7)
+    for world in (1, 3, 5, 6):  # uneven shares are fine: [Note: uneven shares]
+        cfg.check_world_size(world)
     with pytest.raises(ValueError, match=r"--d-model\(100\) % --n-head\(3\)"):
         TrainConfig(d_model=100, n_head=3)
     with pytest.raises(ValueError, match="--strategy applies to --wrapper fsdp only"):
         TrainConfig(wrapper="ddp", strategy="FULL_SHARD")
     with pytest.raises(ValueError, match="--resume and --overwrite"):
-        TrainConfig(resume=True, overwrite=True)
-    with pytest.raises(SystemExit):
-        parse_config(["--nproc-per-node", "2"])
+        TrainConfig(resume="newest", overwrite=True)
+    assert parse_command_line(["--nproc-per-node", "2"])[1] == 2
+    with pytest.MonkeyPatch.context() as mp:  # a rank of a launched job: torchrun's option
+        mp.setenv("RANK", "0")
+        with pytest.raises(SystemExit):
+            parse_command_line(["--nproc-per-node", "2"])
     assert parse_config(["--wrapper", "ddp", "--steps", "5"]).steps == 5
 
 

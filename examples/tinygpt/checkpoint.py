@@ -25,7 +25,9 @@ debris of a killed save and all but the newest ``--keep-checkpoints``.
 from __future__ import annotations
 
 import json
+import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,12 +40,17 @@ from ckpt import CheckpointManager
 
 __all__ = [
     "CheckpointError",
+    "Found",
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
+    "move_aside",
     "remove_checkpoints",
     "save_checkpoint",
+    "scan_checkpoints",
 ]
+
+_STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 class CheckpointError(ckpt.CheckpointError):
@@ -60,6 +67,43 @@ def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
     return [(step, manager.path(step)) for step in manager.steps()]
 
 
+@dataclass(frozen=True)
+class Found:
+    """A ``step_N`` folder under the checkpoint root, committed or not."""
+
+    step: int
+    path: Path
+    committed: bool  # holds ckpt's manifest; False: damaged or never finished
+
+
+def scan_checkpoints(root: Path) -> list[Found]:
+    """Every ``step_N`` folder under ``root``, newest first, whether or not ckpt
+    considers it committed, so that resuming can say why it passes one over (ckpt's own
+    list silently holds only the committed ones)."""
+    if not root.is_dir():
+        return []
+    committed = set(CheckpointManager(root).steps())
+    found = []
+    for path in root.iterdir():
+        match = _STEP_DIR.match(path.name)
+        if match is not None and path.is_dir():
+            step = int(match.group(1))
+            found.append(Found(step, path, step in committed))
+    return sorted(found, key=lambda f: f.step, reverse=True)
+
+
+def move_aside(path: Path) -> Path:
+    """Rename a damaged checkpoint to ``NAME.damaged`` (``.damaged2``, ... if taken),
+    out of the way of the save that will reach its step again; rank 0 alone."""
+    target = path.with_name(f"{path.name}.damaged")
+    n = 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.name}.damaged{n}")
+    path.rename(target)
+    return target
+
+
 def latest_checkpoint(root: Path) -> Path | None:
     """The newest committed checkpoint, or None."""
     found = list_checkpoints(root)
@@ -67,9 +111,9 @@ def latest_checkpoint(root: Path) -> Path | None:
 
 
 def remove_checkpoints(root: Path) -> None:
-    """Delete every checkpoint under ``root``, and what interrupted saves left
-    (rank 0 alone, for ``--overwrite``)."""
-    for path in [p for _, p in list_checkpoints(root)] + CheckpointManager(root).partial():
+    """Delete every checkpoint under ``root``, damaged ones too, and what interrupted
+    saves left (rank 0 alone, for ``--overwrite``)."""
+    for path in [f.path for f in scan_checkpoints(root)] + CheckpointManager(root).partial():
         shutil.rmtree(path)
 
 

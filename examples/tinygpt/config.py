@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import dataclasses
 import inspect
 import math
+import os
 import sys
 import types
 import typing
@@ -103,14 +105,23 @@ class TrainConfig:
     """Save a checkpoint every this many steps, at the end and on Ctrl-C (0: never)."""
     keep_checkpoints: int = 2
     """How many of the newest checkpoints to keep."""
-    resume: bool = False
-    """Continue from the newest checkpoint in --checkpoint-dir (any world size)."""
+    resume: str | None = None
+    """Continue from a checkpoint in --checkpoint-dir, at any world size: the newest
+    (--resume alone), the one of a step (--resume 200) or a checkpoint folder (--resume
+    PATH). A run restarted by torchrun (--max-restarts) resumes from the newest by
+    itself."""
+    move_aside_damaged: bool = False
+    """With --resume: rename damaged checkpoints (no manifest, or files that fail
+    verification) to NAME.damaged and resume from the newest good one, instead of
+    stopping."""
     overwrite: bool = False
     """Start from scratch even if --checkpoint-dir holds checkpoints (deletes them)."""
 
     # ---- reporting ----------------------------------------------------------------
-    out_dir: Path = Path("runs/train")
-    """Where metrics.jsonl, the plot (train.png) and, by default, checkpoints go."""
+    out_dir: Path | None = None
+    """Where metrics.jsonl, the plot (train.png) and, by default, checkpoints go;
+    default runs/NAME, NAME naming the options changed from their defaults (see
+    run_name), so each configuration has its own folder."""
     log_every: int = 10
     """Print a log line (loss, tokens/s, bytes per rank) every this many steps."""
     progress: bool = True
@@ -134,6 +145,9 @@ class TrainConfig:
     step."""
     inject_crash_at_step: int | None = None
     """Test hook: rank --inject-rank dies abruptly (os._exit(3)) during this step."""
+    inject_hang_at_step: int | None = None
+    """Test hook: rank --inject-rank prints its pid and blocks during this step (first
+    attempt only), for a test to kill it."""
     inject_rank: int = 0
     """The rank the fault-injection hooks act on."""
 
@@ -169,11 +183,6 @@ class TrainConfig:
             raise ValueError(f"--dropout must be in [0, 1), got {self.dropout}")
         if not 0.0 < self.val_fraction < 0.5:
             raise ValueError(f"--val-fraction must be in (0, 0.5), got {self.val_fraction}")
-        if self.batch_size % self.grad_accum:
-            raise ValueError(
-                f"--batch-size({self.batch_size}) % --grad-accum({self.grad_accum}) != 0: "
-                "every micro-batch must hold the same number of sequences"
-            )
         if self.wrapper != "fsdp":
             for name in ("strategy", "cpu_offload"):
                 if getattr(self, name):
@@ -183,13 +192,15 @@ class TrainConfig:
                     )
         if self.strategy is not None and self.strategy not in STRATEGIES:
             raise ValueError(f"--strategy {self.strategy!r} is not one of {', '.join(STRATEGIES)}")
-        if self.resume and not self.checkpoint_every:
+        if self.resume is not None and not self.checkpoint_every:
             raise ValueError("--resume needs checkpoints: --checkpoint-every is 0")
-        if self.resume and self.overwrite:
+        if self.resume is not None and self.overwrite:
             raise ValueError("--resume and --overwrite contradict each other: pick one")
+        if self.move_aside_damaged and self.resume is None:
+            raise ValueError("--move-aside-damaged applies to --resume only")
         if self.inject_rank < 0:
             raise ValueError(f"--inject-rank must be >= 0, got {self.inject_rank}")
-        for name in ("inject_sigint_at_step", "inject_crash_at_step"):
+        for name in ("inject_sigint_at_step", "inject_crash_at_step", "inject_hang_at_step"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{_flag(name)} must be >= 1 (steps count from 1)")
@@ -202,31 +213,57 @@ class TrainConfig:
         return self.strategy or "FULL_SHARD"
 
     @property
+    def run_dir(self) -> Path:
+        """The output folder in effect: --out-dir, or runs/<run_name()>."""
+        return self.out_dir if self.out_dir is not None else Path("runs") / self.run_name()
+
+    def run_name(self) -> str:
+        """The default run folder's name: the wrapper, then every option that shapes
+        the run and differs from its default (``fsdp``, ``ddp-zero``, ``fsdp-bf16``,
+        ``fsdp-torch``, ``fsdp-d_model=64``). --steps is left out, so a run continued
+        with more steps stays in its folder; so are the reporting, checkpoint and test
+        options."""
+        parts: list[str] = [self.wrapper]
+        for field in dataclasses.fields(TrainConfig):
+            if field.name in _NAMED_FLAGS:
+                value, default = getattr(self, field.name), field.default
+                if value != default:
+                    parts.append(_NAMED_FLAGS[field.name](value))
+        return "-".join(parts)
+
+    @property
     def checkpoints(self) -> Path:
         """The checkpoint folder in effect."""
-        return self.checkpoint_dir or self.out_dir / "checkpoints"
+        return self.checkpoint_dir or self.run_dir / "checkpoints"
 
     def check_world_size(self, world_size: int) -> None:
         """The checks that need the launcher's world size, with their arithmetic shown."""
-        per_step = world_size * self.grad_accum
-        if self.batch_size % per_step:
+        if self.batch_size < world_size * self.grad_accum:
             raise ValueError(
-                f"--batch-size({self.batch_size}) % (WORLD_SIZE({world_size}) * "
-                f"--grad-accum({self.grad_accum})) = {self.batch_size % per_step} != 0: "
-                "each rank's micro-batches must be equal; pick a batch size divisible by "
-                f"{per_step}"
+                f"--batch-size({self.batch_size}) < WORLD_SIZE({world_size}) * "
+                f"--grad-accum({self.grad_accum}): every rank needs at least one sequence "
+                f"per micro-batch; use --batch-size {world_size * self.grad_accum} or more, "
+                "fewer ranks or a smaller --grad-accum"
             )
-        injecting = self.inject_sigint_at_step or self.inject_crash_at_step
+        injecting = (
+            self.inject_sigint_at_step or self.inject_crash_at_step or self.inject_hang_at_step
+        )
         if injecting and self.inject_rank >= world_size:
             raise ValueError(f"--inject-rank({self.inject_rank}) >= WORLD_SIZE({world_size})")
 
-    def lr_at(self, step: int) -> float:
+    def lr_at(self, step: int, total: int | None = None) -> float:
         """Learning rate of optimizer step ``step`` (1-based): linear warm-up, then a
-        cosine decay to a tenth. A pure function of the step, so a resumed run needs
-        nothing but the step number to continue the schedule."""
+        cosine decay to a tenth at step ``total``, a tenth after it.
+
+        [Note: the schedule of a resumed run]
+        ``total`` is the --steps the run was *started* with (kept in its checkpoints),
+        not the current --steps: a pure function of the step and that total, so a run
+        resumed with more steps continues the curve it was on (at lr / 10 past the
+        original total) instead of jumping to a new cosine."""
+        total = self.steps if total is None else total
         if step <= self.warmup_steps:
             return self.lr * step / self.warmup_steps
-        span = max(1, self.steps - self.warmup_steps)
+        span = max(1, total - self.warmup_steps)
         progress = min(1.0, (step - self.warmup_steps) / span)
         return self.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
@@ -245,14 +282,39 @@ class TrainConfig:
         return {"seq_len": self.seq_len, "batch_size": self.batch_size, "seed": self.seed}
 
 
+def _value(name: str) -> typing.Callable[[Any], str]:
+    return lambda value: f"{name}={value}"
+
+
+# The options that name a run folder (run_name), each with how it is written there.
+_NAMED_VALUES = (
+    "n_layer", "n_head", "d_model", "dropout", "seq_len", "batch_size", "grad_accum", "lr",
+    "warmup_steps", "weight_decay", "clip_grad", "seed", "val_fraction",
+)  # fmt: skip
+_NAMED_FLAGS: dict[str, typing.Callable[[Any], str]] = {
+    "impl": str,
+    "strategy": str,
+    "mixed_precision": str,
+    "cpu_offload": lambda _: "offload",
+    "device": str,
+    **{name: _value(name) for name in _NAMED_VALUES},
+    "data": lambda path: f"data={Path(path).stem}",
+}
+
+
 # ---- the command line -------------------------------------------------------------
 
 HELP_EPILOG = """\
-The number of ranks is torchrun's, not ours:
-  torchrun --standalone --nproc-per-node 2 examples/train.py --wrapper ddp
-  nox -s train -- --nproc-per-node 4 --steps 100      (nox passes it on to torchrun)
-Without torchrun the program runs as a single rank.
+Ranks: --nproc-per-node N starts N local ranks (torch's elastic launcher, as
+`torchrun --standalone` would); without it the program runs as one rank, or as one
+of the ranks torchrun started (torchrun --nnodes ... for several machines):
+  python examples/train.py --nproc-per-node 2 --wrapper ddp
+  nox -s train -- --nproc-per-node 4 --steps 100
+Exit status: 0 done, 2 a usage or configuration error, 130 stopped by Ctrl-C (after
+a checkpoint), 1 anything else.
 """
+
+NEWEST = "newest"  # --resume without a value
 
 
 def _flag(name: str) -> str:
@@ -287,14 +349,38 @@ def _unwrap_optional(tp: Any) -> Any:
     return tp
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a one-line error instead of the 30-line usage before it."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n({self.prog} --help lists the options)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """One option per TrainConfig field, typed and documented from the field."""
-    parser = argparse.ArgumentParser(
+    """One option per TrainConfig field, typed and documented from the field, and
+    --nproc-per-node for the launcher."""
+    parser = _Parser(
         prog="train.py",
         description="Train a small byte-level GPT on the bundled corpus with our "
         "sharded data-parallel stack.",
         epilog=HELP_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,  # launch.strip_option finds --nproc-per-node by its full name
+    )
+    parser.add_argument(
+        "--nproc-per-node",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="start N ranks on this machine and wait for them (not under torchrun, "
+        "which has its own --nproc-per-node)",
     )
     hints = typing.get_type_hints(TrainConfig)
     docs = field_docs(TrainConfig)
@@ -303,7 +389,11 @@ def build_parser() -> argparse.ArgumentParser:
         default = field.default
         help_text = f"{docs.get(field.name, '')} (default: {default})"
         flag = f"--{_flag(field.name)}"
-        if tp is bool:
+        if field.name == "resume":
+            parser.add_argument(
+                flag, nargs="?", const=NEWEST, default=None, metavar="STEP|PATH", help=help_text
+            )
+        elif tp is bool:
             parser.add_argument(
                 flag, action=argparse.BooleanOptionalAction, default=default, help=help_text
             )
@@ -315,17 +405,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_config(argv: list[str] | None = None) -> TrainConfig:
-    """The command line as a checked TrainConfig; argparse-style exit on errors."""
+def parse_command_line(argv: list[str] | None = None) -> tuple[TrainConfig, int | None]:
+    """The command line as a checked TrainConfig and --nproc-per-node (None: not
+    given); argparse-style exit (status 2, usage on stderr) on errors.
+
+    Under a launcher every rank parses the same arguments; only rank 0 speaks, so help
+    and usage errors are printed once (all ranks still exit with the same status)."""
     parser = build_parser()
     args = sys.argv[1:] if argv is None else list(argv)
-    if any(a.split("=")[0] == "--nproc-per-node" for a in args):
-        parser.error(
-            "--nproc-per-node is torchrun's option, not train.py's: "
-            "torchrun --standalone --nproc-per-node N examples/train.py ..."
-        )
-    namespace = parser.parse_args(args)
-    try:
-        return TrainConfig(**vars(namespace))
-    except ValueError as exc:
-        parser.error(str(exc))
+    quiet = os.environ.get("RANK", "0") != "0"
+    with open(os.devnull, "w") as devnull, contextlib.ExitStack() as stack:
+        if quiet:
+            stack.enter_context(contextlib.redirect_stdout(devnull))
+            stack.enter_context(contextlib.redirect_stderr(devnull))
+        namespace = vars(parser.parse_args(args))
+        nproc = namespace.pop("nproc_per_node")
+        if nproc is not None and "RANK" in os.environ:
+            parser.error(
+                "--nproc-per-node: this process is already one rank of a launched job "
+                "(RANK is set); give the number of ranks to torchrun instead"
+            )
+        try:
+            return TrainConfig(**namespace), nproc
+        except ValueError as exc:
+            parser.error(str(exc))
+
+
+def parse_config(argv: list[str] | None = None) -> TrainConfig:
+    """The command line as a checked TrainConfig (see parse_command_line)."""
+    return parse_command_line(argv)[0]

@@ -120,6 +120,8 @@ def memory_line(per_rank: Sequence[MemoryBytes]) -> str:
             f"optim {human_bytes(m.optim)}"
         )
 
+    if len(per_rank) == 1:
+        return f"1 rank: {fmt(per_rank[0])}"
     if len(set(per_rank)) == 1:
         return f"each of {len(per_rank)} ranks: {fmt(per_rank[0])}"
     if len(per_rank) <= 4:

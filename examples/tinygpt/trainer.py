@@ -16,14 +16,17 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+import ckpt
+
 from .checkpoint import (
     CheckpointError,
-    latest_checkpoint,
     load_checkpoint,
+    move_aside,
     remove_checkpoints,
     save_checkpoint,
+    scan_checkpoints,
 )
-from .config import VOCAB_SIZE, TrainConfig
+from .config import NEWEST, VOCAB_SIZE, TrainConfig
 from .data import BatchSampler, Corpus, load_corpus, rank_slice, windows
 from .distributed import DistEnv
 from .model import GPT
@@ -48,6 +51,7 @@ from .report import (
     plot_history,
     summary_table,
 )
+from .resume import ResumePlan, choose_checkpoint
 from .sample import generate
 from .stopping import StopRequest
 
@@ -64,11 +68,16 @@ class RunResult:
     checkpoint: Path | None  # the newest checkpoint written
 
 
-def _broadcast_path(path: Path | None) -> Path | None:
+def _broadcast(value: Any) -> Any:
     """Rank 0's answer for everyone, so all ranks act on the same checkpoint."""
-    box: list[Path | None] = [path]
+    box: list[Any] = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def plural(count: int, noun: str) -> str:
+    """'1 rank', '2 ranks'."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
 
 
 class Trainer:
@@ -88,10 +97,11 @@ class Trainer:
     memory: list[MemoryBytes]  # per rank, at the latest log step
     _memory: MemoryBytes  # this rank's, measured inside the latest log step
     last_checkpoint: Path | None
+    schedule_steps: int  # the --steps the run started with: [Note: the schedule of a resumed run]
 
     def __init__(self, cfg: TrainConfig, env: DistEnv) -> None:
         self.cfg, self.env = cfg, env
-        self.reporter = Reporter(env.is_main, cfg.out_dir, cfg.progress)
+        self.reporter = Reporter(env.is_main, cfg.run_dir, cfg.progress)
         # Same seed on every rank: identical replicas before wrapping.
         torch.manual_seed(cfg.seed)
         model = GPT(
@@ -110,47 +120,103 @@ class Trainer:
         self.sampler = BatchSampler(len(self.corpus.train), cfg.seq_len, cfg.seed)
         self.step, self.session, self.history = 0, 0, []
         self.memory, self.last_checkpoint = [], None
+        self.schedule_steps = cfg.steps
 
     def _rank_seed(self, step: int) -> int:
         return (self.cfg.seed * 1_000_003 + step) * 1_009 + self.env.rank + 1
 
     # ---- start or resume ------------------------------------------------------------
 
-    def start(self) -> None:
-        """Resume from the newest checkpoint (--resume), or refuse to mix a fresh run
-        into a folder of old checkpoints unless --overwrite says to clear it."""
+    def start(self) -> bool:
+        """Resume (--resume, or by itself when torchrun restarted the job), or refuse to
+        mix a fresh run into a folder of old checkpoints unless --overwrite says to clear
+        it. Returns False when the resumed run has nothing left to do."""
         cfg, root = self.cfg, self.cfg.checkpoints
-        latest = _broadcast_path(latest_checkpoint(root) if self.env.is_main else None)
-        if cfg.resume:
-            if latest is None:
-                raise CheckpointError(
-                    f"--resume: no checkpoint in {root}; run without --resume to start, "
-                    "or point --checkpoint-dir at the run to continue"
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        resume = cfg.resume if cfg.resume is not None or restart == 0 else NEWEST
+        if resume is not None:
+            if restart and cfg.resume is None:
+                self.reporter.print(
+                    f"restarted by the launcher (restart {restart}): resuming from the newest "
+                    "checkpoint"
                 )
-            self._resume(latest)
-        elif latest is not None and cfg.checkpoint_every:
-            if not cfg.overwrite:
-                raise CheckpointError(
-                    f"{root} already holds checkpoints (newest: {latest.name}): pass "
-                    "--resume to continue that run, or --overwrite to delete them and "
-                    "start again (or choose another --checkpoint-dir)"
-                )
-            if self.env.is_main:
-                remove_checkpoints(root)
-            dist.barrier()
+            if not self._resume_chosen(resume, restarted=restart > 0):
+                return False
+        else:
+            found = _broadcast(scan_checkpoints(root) if self.env.is_main else None)
+            if found and cfg.checkpoint_every:
+                if not cfg.overwrite:
+                    raise CheckpointError(
+                        f"{root} already holds checkpoints (newest: {found[0].path.name}): "
+                        "pass --resume to continue that run, or --overwrite to delete them "
+                        "and start again (or choose another --out-dir)"
+                    )
+                if self.env.is_main:
+                    remove_checkpoints(root)
+                dist.barrier()
         self.reporter.write_history(self.history)
+        return True
+
+    def _resume_chosen(self, resume: str, *, restarted: bool) -> bool:
+        """Load the checkpoint rank 0 chooses (choose_checkpoint); a damaged one found
+        while loading is moved aside (--move-aside-damaged) and the next tried."""
+        cfg = self.cfg
+        while True:
+            plan: ResumePlan = _broadcast(
+                choose_checkpoint(
+                    cfg.checkpoints, resume, move_damaged=cfg.move_aside_damaged,
+                    restarted=restarted,
+                ) if self.env.is_main else None
+            )  # fmt: skip
+            for note in plan.notes:
+                self.reporter.print(note)
+            if plan.error is not None:
+                raise CheckpointError(plan.error)
+            if plan.path is None:
+                return True
+            try:
+                self._resume(plan.path)
+            except ckpt.CorruptCheckpointError as exc:
+                if resume != NEWEST:
+                    raise CheckpointError(
+                        f"{exc}\n--resume {resume}: choose another checkpoint (--resume STEP)"
+                    ) from exc
+                if not cfg.move_aside_damaged:
+                    raise CheckpointError(
+                        f"{exc}\n--resume: pass --move-aside-damaged to rename "
+                        f"{plan.path.name} to {plan.path.name}.damaged and resume from the "
+                        "newest good checkpoint before it, or --resume STEP to choose one"
+                    ) from exc
+                if self.env.is_main:
+                    moved = move_aside(plan.path)
+                    self.reporter.print(
+                        f"moved {plan.path.name} aside to {moved.name}: it failed verification"
+                    )
+                dist.barrier()
+                continue
+            if self.step >= cfg.steps:
+                self.reporter.print(
+                    f"{plan.path} is the end of a finished run (step {self.step}, "
+                    f"--steps {cfg.steps}): nothing to train. Pass --steps N with N > "
+                    f"{self.step} to train on (the learning rate stays on the schedule of "
+                    f"--steps {self.schedule_steps}, see --help), or --overwrite to start "
+                    "again"
+                )
+                return False
+            return True
 
     def _resume(self, path: Path) -> None:
         state = load_checkpoint(path, self.model, self.optimizer, self.cfg.model_shape())
         self.step, self.history = state["step"], state["history"]
         self.session = state["session"] + 1
+        self.schedule_steps = state.get("schedule_steps", self.cfg.steps)
         self.sampler.load_state_dict(state["sampler"])
         self.last_checkpoint = path
         if not state["rng_restored"]:
             torch.manual_seed(self._rank_seed(self.step))
         note = ""
         if state["world_size"] != self.env.world_size:
-            note = f" (saved by {state['world_size']} ranks, now {self.env.world_size})"
+            note = f" (saved by {plural(state['world_size'], 'rank')}, now {self.env.world_size})"
         self.reporter.print(f"resumed from {path} at step {self.step}{note}")
         if state["data_order"] != self.cfg.data_order():
             self.reporter.print(
@@ -167,6 +233,7 @@ class Trainer:
             "sampler": self.sampler.state_dict(),
             "history": self.history,
             "world_size": self.env.world_size,
+            "schedule_steps": self.schedule_steps,
             "model_shape": self.cfg.model_shape(),
             "data_order": self.cfg.data_order(),
         }
@@ -245,20 +312,27 @@ class Trainer:
         whether any rank asked to stop."""
         cfg, env = self.cfg, self.env
         t0 = time.perf_counter()
-        lr = cfg.lr_at(step)
+        lr = cfg.lr_at(step, self.schedule_steps)
         set_lr(self.optimizer, lr)
         mine = rank_slice(self.sampler.next_batch(cfg.batch_size), env.rank, env.world_size)
         loss_sum = torch.zeros((), device=env.device)
         self.model.train()
-        micro_batches = mine.chunk(cfg.grad_accum)
+        # [Note: uneven shares] When world_size * grad_accum does not divide the batch,
+        # ranks and micro-batches hold different numbers of sequences (never zero: the
+        # config checks batch_size >= world_size * grad_accum). Weighting each
+        # micro-batch's mean loss by its share of the global batch, times world_size
+        # because DDP and FSDP average gradients over ranks, makes the gradient the
+        # global batch's mean whatever the split.
+        micro_batches = mine.tensor_split(cfg.grad_accum)
         for i, starts in enumerate(micro_batches):
             x, y = windows(self.corpus.train, starts, cfg.seq_len)
             x, y = x.to(env.device), y.to(env.device)
+            weight = len(starts) * env.world_size / cfg.batch_size
             with accumulating(self.model, i == len(micro_batches) - 1), autocast(cfg, env):
                 logits = self.model(x)
                 loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-                (loss / cfg.grad_accum).backward()
-            loss_sum += loss.detach()
+                (loss * weight).backward()
+            loss_sum += loss.detach() * len(starts)
         if measure:
             params, grads = param_bytes(self.model), grad_bytes(self.model)
         grad_norm = clip_grad_norm(self.model, cfg.clip_grad)
@@ -267,15 +341,13 @@ class Trainer:
         if measure:
             self._memory = MemoryBytes(params, grads, optim_bytes(self.optimizer))
         # One small all-reduce per step: the mean loss, and whether anyone must stop.
-        stats = torch.stack(
-            [loss_sum / cfg.grad_accum, torch.tensor(float(stop_requested), device=env.device)]
-        )
+        stats = torch.stack([loss_sum, torch.tensor(float(stop_requested), device=env.device)])
         dist.all_reduce(stats)
-        loss, stops = stats.tolist()
+        loss_total, stops = stats.tolist()
         step_s = time.perf_counter() - t0
         record = {
             "step": step,
-            "loss": loss / env.world_size,
+            "loss": loss_total / cfg.batch_size,
             "lr": lr,
             "grad_norm": float(grad_norm),
             "step_s": step_s,
@@ -295,6 +367,15 @@ class Trainer:
         if step == cfg.inject_crash_at_step:
             print(f"[rank {self.env.rank}] --inject-crash-at-step {step}: dying", flush=True)
             os._exit(3)
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        if step == cfg.inject_hang_at_step and restart == "0":
+            print(
+                f"[rank {self.env.rank}] --inject-hang-at-step {step}: waiting to be killed "
+                f"(pid {os.getpid()})",
+                flush=True,
+            )
+            while True:
+                signal.pause()
 
     def _log(self, record: dict[str, Any]) -> None:
         window = self.history[-self.cfg.log_every :]
@@ -354,7 +435,7 @@ class Trainer:
         rows = [
             ("model", f"GPT {cfg.n_layer} layers x {cfg.d_model} wide, {cfg.n_head} heads, "
                       f"{self.num_params / 1e6:.2f}M parameters, byte-level"),
-            ("parallelism", f"{wrapper}, {env.world_size} ranks, {env.device.type}/"
+            ("parallelism", f"{wrapper}, {plural(env.world_size, 'rank')}, {env.device.type}/"
                             f"{env.backend}, {cfg.mixed_precision}"
                             + (", cpu offload" if cfg.cpu_offload else "")),
             ("steps", f"{result.last_step} of {cfg.steps} (this run: {len(ran)}"
@@ -376,7 +457,7 @@ class Trainer:
                  f"{human_bytes(mem.grads)}, optim {human_bytes(mem.optim)}, peak RSS "
                  f"{human_bytes(int(all_rss[rank]))}")
             )  # fmt: skip
-        plot = plot_history(self.history, result.val_loss, cfg.out_dir / "train.png")
+        plot = plot_history(self.history, result.val_loss, cfg.run_dir / "train.png")
         rows += [
             ("checkpoint", str(result.checkpoint)),
             ("metrics", f"{self.reporter.metrics_path}, plot {plot}"),
