@@ -5,6 +5,8 @@
 :mod:`fsdp.wrap`. See the package README for the design.
 """
 
+from flatparam import CollectiveError, RankDisagreementError
+from fsdp._clean_exit import register_clean_exit
 from fsdp._common import TrainingState
 from fsdp._version import __version__
 from fsdp.api import (
@@ -29,6 +31,7 @@ from fsdp.fully_sharded_data_parallel import FullyShardedDataParallel
 __all__ = [
     "BackwardPrefetch",
     "CPUOffload",
+    "CollectiveError",
     "FullOptimStateDictConfig",
     "FullStateDictConfig",
     "FullyShardedDataParallel",
@@ -37,6 +40,7 @@ __all__ = [
     "MixedPrecision",
     "OptimStateDictConfig",
     "OptimStateKeyType",
+    "RankDisagreementError",
     "ShardedOptimStateDictConfig",
     "ShardedStateDictConfig",
     "ShardingStrategy",
@@ -46,3 +50,5 @@ __all__ = [
     "TrainingState",
     "__version__",
 ]
+
+register_clean_exit()
