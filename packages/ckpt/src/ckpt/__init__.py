@@ -8,6 +8,7 @@ training loop. See the package README.
 """
 
 from ckpt._adapters import register_builtin_adapters
+from ckpt._agreement import CheckpointDisagreementError
 from ckpt._checkpoint import (
     AsyncSave,
     CheckpointInfo,
@@ -34,6 +35,7 @@ from ckpt._optim_state import load_optim_state_dict, optim_state_dict
 from ckpt._state import StateAdapter, StateContext, Stateful, register_adapter
 from ckpt._state_dict_type import get_state_dict_type, set_state_dict_type, state_dict_type
 from ckpt._version import __version__
+from flatparam import CollectiveError, RankDisagreementError
 from fsdp.api import (
     FullOptimStateDictConfig,
     FullStateDictConfig,
@@ -51,11 +53,13 @@ from fsdp.api import (
 __all__ = [
     "MANIFEST_NAME",
     "AsyncSave",
+    "CheckpointDisagreementError",
     "CheckpointError",
     "CheckpointExistsError",
     "CheckpointInfo",
     "CheckpointManager",
     "Checksum",
+    "CollectiveError",
     "CorruptCheckpointError",
     "FileProblem",
     "FileRecord",
@@ -69,6 +73,7 @@ __all__ = [
     "OptimStateDictConfig",
     "OptimStateKeyType",
     "PartialCheckpointError",
+    "RankDisagreementError",
     "ShapeMismatch",
     "ShardedOptimStateDictConfig",
     "ShardedStateDictConfig",

@@ -33,6 +33,8 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from ckpt import _layout
+from ckpt._agreement import check_ranks_agree
+from ckpt._collective_failure import in_phase
 from ckpt._comm import Comm, async_group
 from ckpt._errors import CheckpointError, CorruptCheckpointError, FileProblem
 from ckpt._fit import combine_fits, fit_rank, local_shapes, saved_shapes
@@ -333,6 +335,7 @@ def _as_checksum(checksum: str | Checksum) -> Checksum:
         raise ValueError(f"unknown checksum {checksum!r}; choose one of {names}") from None
 
 
+@in_phase("save")
 def save(
     state: Mapping[str, Any],
     path: PathLike,
@@ -356,6 +359,8 @@ def save(
     target = _as_path(path)
     comm = Comm.of(process_group)
     sum_kind = _as_checksum(checksum)
+    options = {"overwrite": overwrite, "checksum": sum_kind}
+    check_ranks_agree("ckpt.save", comm, target, options)
     state_dict, _ = to_state_dict(state, process_group)
     tx = _SaveTransaction(target, comm, sum_kind)
     tx.prepare(overwrite)
@@ -363,6 +368,7 @@ def save(
     return tx.commit(_on_commit)
 
 
+@in_phase("async save")
 def async_save(
     state: Mapping[str, Any],
     path: PathLike,
@@ -385,6 +391,8 @@ def async_save(
     group = process_group if process_group is not None else async_group()
     comm = Comm.of(group)
     sum_kind = _as_checksum(checksum)
+    options = {"overwrite": overwrite, "checksum": sum_kind}
+    check_ranks_agree("ckpt.async_save", comm, target, options)
     state_dict, _ = to_state_dict(state, group)
     staged = BlockingAsyncStager(cache_staged_state_dict=False, type_check=False).stage(state_dict)
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -428,6 +436,7 @@ def _open_checkpoint(path: Path, comm: Comm, verify: bool) -> Manifest | None:
     return manifest
 
 
+@in_phase("verify")
 def verify(path: PathLike, *, process_group: dist.ProcessGroup | None = None) -> Manifest:
     """Check a committed checkpoint's files against its manifest without loading it.
 
@@ -435,11 +444,14 @@ def verify(path: PathLike, *, process_group: dist.ProcessGroup | None = None) ->
     ``CorruptCheckpointError`` naming each missing, extra, truncated or altered file.
     """
     wait_pending()
-    manifest = _open_checkpoint(_as_path(path), Comm.of(process_group), verify=True)
+    target, comm = _as_path(path), Comm.of(process_group)
+    check_ranks_agree("ckpt.verify", comm, target, {})
+    manifest = _open_checkpoint(target, comm, verify=True)
     assert manifest is not None
     return manifest
 
 
+@in_phase("load")
 def load(
     state: Mapping[str, Any],
     path: PathLike,
@@ -462,6 +474,7 @@ def load(
     wait_pending()
     source = _as_path(path)
     comm = Comm.of(process_group)
+    check_ranks_agree("ckpt.load", comm, source, {"strict": strict, "verify": verify})
     manifest = _open_checkpoint(source, comm, verify)
     state_dict, ctx = to_state_dict(state, process_group, manifest, loading=True)
     reader = FileSystemReader(source)

@@ -53,8 +53,9 @@ class CollectiveError(RuntimeError):
     peer that died, a peer in another collective), which is chained as
     ``__cause__``. The message starts with this rank, the operation, what it
     moved (a unit, a parameter bucket, a checkpoint) and the training phase
-    (forward, backward, post-backward, optimizer step, save, load), so the
-    first line of a crashed job's log says where each rank was.
+    (forward, backward, post-backward, optimizer step, save, load; ``""``
+    while no caller has named it yet), so the first line of a crashed job's log
+    says where each rank was.
     """
 
     def __init__(self, message: str, *, rank: int, operation: str, target: str, phase: str) -> None:
@@ -81,9 +82,9 @@ class CollectiveError(RuntimeError):
             why = "a peer rank died or closed its connection (look at the other ranks' output)"
         else:
             why = "the backend failed"
+        during = f" during {phase}" if phase else ""
         message = (
-            f"rank {rank}: {operation} of {target} failed during {phase}: {why}. "
-            f"Backend error: {backend}"
+            f"rank {rank}: {operation} of {target} failed{during}: {why}. Backend error: {backend}"
         )
         return cls(message, rank=rank, operation=operation, target=target, phase=phase)
 

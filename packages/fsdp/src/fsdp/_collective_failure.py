@@ -28,9 +28,6 @@ __all__ = ["backend_failures", "in_phase"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
-# The phase of a level-1 error until a hook names it.
-_UNKNOWN_PHASE = "an FSDP collective"
-
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
@@ -45,7 +42,7 @@ def backend_failures(operation: str, target: str) -> Iterator[None]:
         raise
     except RuntimeError as e:  # torch's DistError/DistBackendError derive from it
         raise CollectiveError.from_backend(
-            e, rank=_rank(), operation=operation, target=target, phase=_UNKNOWN_PHASE
+            e, rank=_rank(), operation=operation, target=target, phase=""
         ) from e
 
 
@@ -62,7 +59,7 @@ def in_phase(phase: str) -> Callable[[_F], _F]:
             try:
                 return fn(self, *args, **kwargs)
             except CollectiveError as e:
-                if e.phase != _UNKNOWN_PHASE:
+                if e.phase:
                     raise
                 target = f"{e.target} for FSDP unit {unit_name(self)}"
                 cause = e.__cause__ if e.__cause__ is not None else e
