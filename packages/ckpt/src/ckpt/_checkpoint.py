@@ -37,7 +37,14 @@ from ckpt._agreement import check_ranks_agree
 from ckpt._collective_failure import in_phase
 from ckpt._comm import Comm, async_group
 from ckpt._errors import CheckpointError, CorruptCheckpointError, FileProblem
-from ckpt._fit import combine_fits, fit_rank, local_shapes, saved_shapes
+from ckpt._fit import (
+    combine_fits,
+    fit_rank,
+    local_dtypes,
+    local_shapes,
+    saved_dtypes,
+    saved_shapes,
+)
 from ckpt._manifest import (
     Checksum,
     FileRecord,
@@ -478,7 +485,9 @@ def load(
     manifest = _open_checkpoint(source, comm, verify)
     state_dict, ctx = to_state_dict(state, process_group, manifest, loading=True)
     reader = FileSystemReader(source)
-    fit = fit_rank(local_shapes(state_dict), saved_shapes(reader.read_metadata()), list(state))
+    metadata = reader.read_metadata()
+    dtypes = (local_dtypes(state_dict), saved_dtypes(metadata))
+    fit = fit_rank(local_shapes(state_dict), saved_shapes(metadata), list(state), dtypes)
     error = combine_fits(source, comm.all_gather(fit), strict)
     if error is not None:
         raise error

@@ -53,6 +53,11 @@ def resolve_compute_device(
             return torch.device("cuda", device_id)
         if not isinstance(device_id, torch.device):
             raise TypeError(f"device_id must be an int or a torch.device, got {device_id!r}")
+        if device_id.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(
+                f"device_id={device_id} names a CUDA device but CUDA is not available; pass "
+                "device_id=torch.device('cpu') or leave it None"
+            )
         if device_id.type == "cuda" and getattr(device_id, "index", None) is None:
             return torch.device("cuda", torch.cuda.current_device())
         return device_id
