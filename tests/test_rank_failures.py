@@ -86,8 +86,10 @@ def _rank_disagree(case: str) -> Outcome:
         kw["policy"] = ModuleWrapPolicy({nn.Linear})
     if case in ("SHARD_GRAD_OP", "NO_SHARD") and odd:
         kw["sharding_strategy"] = ShardingStrategy[case]
-    model = _model(group, **kw)
-    return _outcome(lambda: _train(model, 2))
+    if case == "width, sync_module_states":
+        kw["sync_module_states"] = True
+        kw["dim"] = 8 if odd else 6
+    return _outcome(lambda: _train(_model(group, **kw), 2))
 
 
 @pytest.mark.parametrize(
@@ -99,6 +101,7 @@ def _rank_disagree(case: str) -> Outcome:
         ("policy", 2, "number of FSDP units", ("rank 0: 4", "rank 1: 8")),
         ("SHARD_GRAD_OP", 2, "sharding_strategy", ("FULL_SHARD", "SHARD_GRAD_OP")),
         ("NO_SHARD", 2, "sharding_strategy", ("FULL_SHARD", "NO_SHARD")),
+        ("width, sync_module_states", 2, "parameter/buffer 0", ("rank 0: (6,)", "rank 1: (8,)")),
     ],
 )
 def test_disagreeing_ranks_all_raise_the_same_named_error(
@@ -109,7 +112,10 @@ def test_disagreeing_ranks_all_raise_the_same_named_error(
     assert kinds == {"RankDisagreementError"}, outcomes
     first = outcomes[0][1]
     assert all(o[1] == first for o in outcomes), "every rank raises the same message"
-    assert first.startswith("FullyShardedDataParallel (first forward, lazy initialisation)")
+    prefix = "FullyShardedDataParallel (first forward, lazy initialisation)"
+    if "sync" in case:  # the broadcast at construction is checked first
+        prefix = "FullyShardedDataParallel(sync_module_states=True) (construction)"
+    assert first.startswith(prefix)
     assert f"disagree on {field}" in first
     for value in values:
         assert value in first

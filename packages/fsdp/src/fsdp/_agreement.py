@@ -22,7 +22,7 @@ import torch.distributed as dist
 from flatparam import check_fingerprints_agree
 from fsdp._collective_failure import backend_failures, unit_name
 
-__all__ = ["check_ranks_agree", "fsdp_fingerprint", "unit_summary"]
+__all__ = ["check_broadcast_agrees", "check_ranks_agree", "fsdp_fingerprint", "unit_summary"]
 
 _WHERE = "FullyShardedDataParallel (first forward, lazy initialisation)"
 _FIXES = {
@@ -99,6 +99,32 @@ def check_ranks_agree(states: Sequence[Any]) -> None:
             where=_WHERE,
             fixes=_FIXES,
             default_fix=_DEFAULT_FIX,
+        )
+
+
+def check_broadcast_agrees(tensors: Sequence[torch.Tensor], groups: Sequence[Any]) -> None:
+    """Before ``sync_module_states`` broadcasts: do all ranks hold tensors of the same sizes?
+
+    The broadcast runs at construction, before the lazy initialisation's check;
+    with another model on some rank its sizes would differ, which gloo answers by
+    aborting the receiving process.
+    """
+    fingerprint = {"number of parameters and buffers": str(len(tensors))}
+    for i, t in enumerate(tensors):
+        dtype = str(t.dtype).removeprefix("torch.")
+        fingerprint[f"parameter/buffer {i}"] = f"{tuple(t.shape)} {dtype} on {t.device.type}"
+    for group in groups:
+        device = tensors[0].device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+        check_fingerprints_agree(
+            "fsdp sync_module_states",
+            fingerprint,
+            world_size=_size(group),
+            all_to_all=functools.partial(_all_to_all, group=group),
+            device=device,
+            where="FullyShardedDataParallel(sync_module_states=True) (construction)",
+            fixes={},
+            default_fix="Build the same model on every rank (same sizes and dtypes) before "
+            "wrapping it.",
         )
 
 
