@@ -151,6 +151,7 @@ def _rank_out_of_step(case: str, root: str) -> Outcome:
     return _outcome(run)
 
 
+@pytest.mark.slow  # waits for the group's timeout: about PG_TIMEOUT_S
 def test_extra_step_then_barrier(tmp_path: Path) -> None:
     out = run_ranks(
         _rank_out_of_step, 2, "extra step, then barrier", str(tmp_path), timeout=HARNESS_TIMEOUT_S
@@ -163,6 +164,7 @@ def test_extra_step_then_barrier(tmp_path: Path) -> None:
     assert all(o[2] < PG_TIMEOUT_S + SLACK_S for o in out), out
 
 
+@pytest.mark.slow  # waits for the group's timeout: about PG_TIMEOUT_S
 def test_extra_step_then_save(tmp_path: Path) -> None:
     out = run_ranks(
         _rank_out_of_step, 2, "extra step, then save", str(tmp_path), timeout=HARNESS_TIMEOUT_S
@@ -176,6 +178,7 @@ def test_extra_step_then_save(tmp_path: Path) -> None:
     assert all(o[2] < PG_TIMEOUT_S + SLACK_S for o in out), out
 
 
+@pytest.mark.slow  # waits for the group's timeout: about PG_TIMEOUT_S
 def test_only_rank0_loads(tmp_path: Path) -> None:
     out = run_ranks(
         _rank_out_of_step, 2, "only rank 0 loads", str(tmp_path), timeout=HARNESS_TIMEOUT_S
@@ -249,6 +252,7 @@ _CHILD = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # two fresh interpreters and a 3 s timeout: about 8 s
 def test_exit_code_after_a_failure_is_not_sigabrt(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"}
     rendezvous = str(tmp_path / "rdv")
