@@ -13,9 +13,10 @@ runs that exit through a normal interpreter shutdown: without the hook 1 abort i
 20 runs (and 1 in 6), with only ``destroy_process_group`` 1 in about 30, with it
 and ``gc.collect()`` 0 in 40. That is evidence, not proof: the root cause is inside
 gloo/c10d teardown. Non-daemon threads (an asynchronous checkpoint) have been
-joined by then; destroying a gloo group is local and closes its sockets, which makes any peer still waiting on
-this rank fail at once instead of at its timeout. fsdp and zero_optim each
-register the hook on import; it does nothing when no group is left.
+joined by then; destroying a gloo group is local and closes its sockets, which
+makes any peer still waiting on this rank fail at once instead of at its
+timeout. fsdp and zero_optim each register the hook on import; it does nothing
+when no group is left.
 """
 
 from __future__ import annotations
