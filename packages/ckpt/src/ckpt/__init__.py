@@ -11,6 +11,7 @@ and exports checkpoints. See the package README.
 """
 
 from ckpt._adapters import register_builtin_adapters
+from ckpt._agreement import CheckpointDisagreementError
 from ckpt._checkpoint import (
     AsyncSave,
     CheckpointInfo,
@@ -40,6 +41,7 @@ from ckpt._pretrained import PretrainedLoad, load_pretrained
 from ckpt._state import StateAdapter, StateContext, Stateful, register_adapter
 from ckpt._state_dict_type import get_state_dict_type, set_state_dict_type, state_dict_type
 from ckpt._version import __version__
+from flatparam import CollectiveError, RankDisagreementError
 from fsdp.api import (
     FullOptimStateDictConfig,
     FullStateDictConfig,
@@ -57,11 +59,13 @@ from fsdp.api import (
 __all__ = [
     "MANIFEST_NAME",
     "AsyncSave",
+    "CheckpointDisagreementError",
     "CheckpointError",
     "CheckpointExistsError",
     "CheckpointInfo",
     "CheckpointManager",
     "Checksum",
+    "CollectiveError",
     "CorruptCheckpointError",
     "FileProblem",
     "FileRecord",
@@ -76,6 +80,7 @@ __all__ = [
     "OptimStateKeyType",
     "PartialCheckpointError",
     "PretrainedLoad",
+    "RankDisagreementError",
     "ShapeMismatch",
     "ShardedOptimStateDictConfig",
     "ShardedStateDictConfig",

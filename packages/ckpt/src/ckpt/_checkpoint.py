@@ -34,6 +34,8 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from ckpt import _layout
+from ckpt._agreement import check_ranks_agree
+from ckpt._collective_failure import in_phase
 from ckpt._comm import Comm, async_group
 from ckpt._errors import (
     CheckpointError,
@@ -41,7 +43,15 @@ from ckpt._errors import (
     FileProblem,
     UnsafeCheckpointError,
 )
-from ckpt._fit import RankFit, combine_fits, fit_rank, local_shapes, saved_shapes
+from ckpt._fit import (
+    RankFit,
+    combine_fits,
+    fit_rank,
+    local_dtypes,
+    local_shapes,
+    saved_dtypes,
+    saved_shapes,
+)
 from ckpt._manifest import (
     Checksum,
     FileRecord,
@@ -394,6 +404,7 @@ def _as_key(key: bytes | str | None) -> bytes | None:
     return bytes(key)
 
 
+@in_phase("save")
 def save(
     state: Mapping[str, Any],
     path: PathLike,
@@ -424,6 +435,8 @@ def save(
     comm = Comm.of(process_group)
     mac_key = _as_key(key)
     sum_kind = _as_checksum(checksum, mac_key)
+    options = {"overwrite": overwrite, "checksum": sum_kind, "keyed": mac_key is not None}
+    check_ranks_agree("ckpt.save", comm, target, options)
     state_dict, _ = to_state_dict(state, process_group)
     tx = _SaveTransaction(target, comm, sum_kind, mac_key, state)
     tx.prepare(overwrite)
@@ -431,6 +444,7 @@ def save(
     return tx.commit(_on_commit)
 
 
+@in_phase("async save")
 def async_save(
     state: Mapping[str, Any],
     path: PathLike,
@@ -455,6 +469,8 @@ def async_save(
     comm = Comm.of(group)
     mac_key = _as_key(key)
     sum_kind = _as_checksum(checksum, mac_key)
+    options = {"overwrite": overwrite, "checksum": sum_kind, "keyed": mac_key is not None}
+    check_ranks_agree("ckpt.async_save", comm, target, options)
     state_dict, _ = to_state_dict(state, group)
     staged = BlockingAsyncStager(cache_staged_state_dict=False, type_check=False).stage(state_dict)
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -505,6 +521,7 @@ def _open_checkpoint(
     return manifest
 
 
+@in_phase("verify")
 def verify(
     path: PathLike,
     *,
@@ -526,6 +543,7 @@ def verify(
     wait_pending()
     source = _as_path(path)
     comm = Comm.of(process_group)
+    check_ranks_agree("ckpt.verify", comm, source, {"keyed": key is not None})
     manifest = _open_checkpoint(source, comm, verify=True, key=_as_key(key))
     assert manifest is not None
     comm.run_on_coordinator(
@@ -535,6 +553,7 @@ def verify(
     return manifest
 
 
+@in_phase("load")
 def load(
     state: Mapping[str, Any],
     path: PathLike,
@@ -566,12 +585,17 @@ def load(
     wait_pending()
     source = _as_path(path)
     comm = Comm.of(process_group)
+    check_ranks_agree(
+        "ckpt.load", comm, source, {"strict": strict, "verify": verify, "keyed": key is not None}
+    )
     manifest = _open_checkpoint(source, comm, verify, _as_key(key))
     state_dict, ctx = to_state_dict(state, process_group, manifest, loading=True)
     reader = SafeFileSystemReader(source)
     try:
+        metadata = reader.read_metadata()
+        dtypes = (local_dtypes(state_dict), saved_dtypes(metadata))
         fit: RankFit | CheckpointError = fit_rank(
-            local_shapes(state_dict), saved_shapes(reader.read_metadata()), list(state)
+            local_shapes(state_dict), saved_shapes(metadata), list(state), dtypes
         )
     except CheckpointError as e:
         fit = e

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
+from ckpt._collective_failure import backend_failures
 from ckpt._errors import CheckpointError
 
 __all__ = ["Comm", "async_group"]
@@ -77,7 +78,8 @@ class Comm:
         if not self.distributed:
             return obj
         box: list[Any] = [obj if self.is_coordinator else None]
-        dist.broadcast_object_list(box, src=self._global(0), group=self.group)
+        with backend_failures("broadcast", "rank 0's decision"):
+            dist.broadcast_object_list(box, src=self._global(0), group=self.group)
         return box[0]  # type: ignore[no-any-return]
 
     def all_gather(self, obj: T) -> list[T]:
@@ -85,7 +87,8 @@ class Comm:
         if not self.distributed:
             return [obj]
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
+        with backend_failures("all_gather", "every rank's findings"):
+            dist.all_gather_object(out, obj, group=self.group)
         return out
 
     def gather(self, obj: T) -> list[T] | None:
@@ -93,7 +96,8 @@ class Comm:
         if not self.distributed:
             return [obj]
         out: list[Any] | None = [None] * self.world_size if self.is_coordinator else None
-        dist.gather_object(obj, out, dst=self._global(0), group=self.group)
+        with backend_failures("gather", "every rank's files"):
+            dist.gather_object(obj, out, dst=self._global(0), group=self.group)
         return out
 
     def run_on_coordinator(self, what: str, fn: Callable[[], T]) -> T:

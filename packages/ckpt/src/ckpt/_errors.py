@@ -164,6 +164,9 @@ class StateDictMismatchError(CheckpointError):
         shape_mismatches: Sequence[ShapeMismatch] = (),
         kind_mismatches: Sequence[str] = (),
         other_model: bool = False,
+        dtype_mismatches: Sequence[str] = (),
+        absent_entries: Sequence[str] = (),
+        local_state_dict: bool = False,
     ) -> None:
         self.path = path
         self.missing = tuple(missing)
@@ -171,7 +174,22 @@ class StateDictMismatchError(CheckpointError):
         self.shape_mismatches = tuple(shape_mismatches)
         self.kind_mismatches = tuple(kind_mismatches)
         self.other_model = other_model
+        self.dtype_mismatches = tuple(dtype_mismatches)
+        self.absent_entries = tuple(absent_entries)
+        self.local_state_dict = local_state_dict
         parts = [f"checkpoint {path} does not fit the state being loaded; nothing was loaded."]
+        if self.absent_entries:
+            names = ", ".join(repr(e) for e in self.absent_entries)
+            parts.append(
+                f"The checkpoint has no {names} entry at all: it was saved without it. Leave "
+                "it out of the state you load (or pass strict=False to keep its current value)."
+            )
+        if local_state_dict:
+            parts.append(
+                "One side is an FSDP LOCAL_STATE_DICT (flat-parameter keys ending in "
+                "'_flat_param') and the other is not: load with the state_dict_type the "
+                "checkpoint was saved with (ckpt.state_dict_type(model, StateDictType.X))."
+            )
         if other_model:
             parts.append(
                 "Most keys differ: this looks like a checkpoint of another model "
@@ -194,6 +212,12 @@ class StateDictMismatchError(CheckpointError):
                 f"Tensor in one, plain object in the other ({len(self.kind_mismatches)}): "
                 f"{_listing(self.kind_mismatches)}"
             )
+        if self.dtype_mismatches:
+            parts.append(
+                f"Dtype mismatches ({len(self.dtype_mismatches)}), which would be cast "
+                f"silently: {_listing(self.dtype_mismatches, 10)}. Convert the model "
+                "(model.to(dtype)) to the checkpoint's dtype before loading, or convert after."
+            )
         if (self.missing or self.unexpected) and not self.shape_mismatches and not other_model:
             parts.append("Pass strict=False to load only the keys both sides have.")
         super().__init__("\n".join(parts))
@@ -207,6 +231,9 @@ class StateDictMismatchError(CheckpointError):
             shape_mismatches=self.shape_mismatches,
             kind_mismatches=self.kind_mismatches,
             other_model=self.other_model,
+            dtype_mismatches=self.dtype_mismatches,
+            absent_entries=self.absent_entries,
+            local_state_dict=self.local_state_dict,
         )
         return (rebuild, ())
 

@@ -25,7 +25,15 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from ckpt._errors import ShapeMismatch, StateDictMismatchError
 
-__all__ = ["RankFit", "combine_fits", "fit_rank", "local_shapes", "saved_shapes"]
+__all__ = [
+    "RankFit",
+    "combine_fits",
+    "fit_rank",
+    "local_dtypes",
+    "local_shapes",
+    "saved_dtypes",
+    "saved_shapes",
+]
 
 # Shape of a tensor entry; None for a plain (pickled) object.
 Shape = tuple[int, ...] | None
@@ -51,6 +59,25 @@ def saved_shapes(metadata: Metadata) -> dict[str, Shape]:
     }
 
 
+def local_dtypes(state_dict: Mapping[str, Any]) -> dict[str, torch.dtype]:
+    """The dtype of every tensor entry of a state dict, by flattened DCP key."""
+    flat, _ = flatten_state_dict(dict(state_dict))
+    return {k: v.dtype for k, v in flat.items() if isinstance(v, torch.Tensor)}
+
+
+def saved_dtypes(metadata: Metadata) -> dict[str, torch.dtype]:
+    """The dtype of every tensor of a DCP checkpoint, by key."""
+    return {
+        key: md.properties.dtype
+        for key, md in metadata.state_dict_metadata.items()
+        if isinstance(md, TensorStorageMetadata)
+    }
+
+
+# A key of an FSDP LOCAL_STATE_DICT: the flat parameter itself.
+_LOCAL_KEY = "_flat_param"
+
+
 @dataclass(frozen=True)
 class RankFit:
     """One rank's comparison; combined over ranks by ``combine_fits``."""
@@ -61,6 +88,9 @@ class RankFit:
     kind_mismatches: tuple[str, ...]
     matched: int  # this rank's keys found in the checkpoint with the same shape and kind
     needed: int  # this rank's keys
+    absent_entries: tuple[str, ...] = ()  # top-level entries the checkpoint has no key of
+    dtype_mismatches: tuple[str, ...] = ()  # "key: checkpoint float32, state bfloat16"
+    local_mismatch: bool = False  # one side is an FSDP LOCAL_STATE_DICT, the other is not
 
 
 def _entry_of(key: str, entries: Iterable[str]) -> bool:
@@ -68,13 +98,34 @@ def _entry_of(key: str, entries: Iterable[str]) -> bool:
 
 
 def fit_rank(
-    local: Mapping[str, Shape], saved: Mapping[str, Shape], entries: Sequence[str]
+    local: Mapping[str, Shape],
+    saved: Mapping[str, Shape],
+    entries: Sequence[str],
+    dtypes: tuple[Mapping[str, torch.dtype], Mapping[str, torch.dtype]] | None = None,
 ) -> RankFit:
     """Compare this rank's keys (``local``) with the checkpoint's (``saved``).
 
-    ``entries`` are the top-level keys of the state being loaded.
+    ``entries`` are the top-level keys of the state being loaded; ``dtypes``
+    (local, saved) adds a dtype comparison: DCP would cast silently.
     """
     missing = sorted(k for k in local if k not in saved)
+    absent = tuple(
+        e
+        for e in entries
+        if any(_entry_of(k, [e]) for k in local) and not any(_entry_of(k, [e]) for k in saved)
+    )
+    dtype_mismatches: list[str] = []
+    if dtypes is not None:
+        mine_d, theirs_d = dtypes
+        for key in sorted(mine_d.keys() & theirs_d.keys()):
+            if mine_d[key] != theirs_d[key]:
+                dtype_mismatches.append(
+                    f"{key}: checkpoint {str(theirs_d[key]).removeprefix('torch.')}, "
+                    f"the state being loaded {str(mine_d[key]).removeprefix('torch.')}"
+                )
+    mine_local = any(k.endswith(_LOCAL_KEY) for k in local)
+    saved_local = any(k.endswith(_LOCAL_KEY) for k in saved if _entry_of(k, entries))
+    local_mismatch = bool(local) and mine_local != saved_local
     shapes: list[ShapeMismatch] = []
     kinds: list[str] = []
     for key in sorted(local.keys() & saved.keys()):
@@ -91,6 +142,9 @@ def fit_rank(
         kind_mismatches=tuple(kinds),
         matched=len(local) - len(missing) - len(shapes) - len(kinds),
         needed=len(local),
+        absent_entries=absent,
+        dtype_mismatches=tuple(dtype_mismatches),
+        local_mismatch=local_mismatch,
     )
 
 
@@ -106,12 +160,19 @@ def combine_fits(
     unexpected = sorted(frozenset.intersection(*(f.not_needed for f in fits))) if fits else []
     shapes = sorted({m for f in fits for m in f.shape_mismatches}, key=lambda m: m.key)
     kinds = sorted({k for f in fits for k in f.kind_mismatches})
+    dtypes = sorted({k for f in fits for k in f.dtype_mismatches})
+    absent = sorted({e for f in fits for e in f.absent_entries})
+    local_mismatch = any(f.local_mismatch for f in fits)
     if not strict:
-        missing, unexpected = [], []
-    if not (missing or unexpected or shapes or kinds):
+        missing, unexpected, absent = [], [], []
+    if not (missing or unexpected or shapes or kinds or dtypes or absent):
         return None
-    # "Another model": most keys a rank needs are absent or do not fit.
-    other_model = any(f.matched < _OTHER_MODEL_OVERLAP * f.needed for f in fits)
+    # "Another model": most keys a rank needs (in entries the checkpoint has) are absent or
+    # do not fit; an entry missing as a whole or a LOCAL state dict is said as such instead.
+    other_model = not local_mismatch and any(
+        f.matched < _OTHER_MODEL_OVERLAP * (f.needed - _keys_in(f.missing, f.absent_entries))
+        for f in fits
+    )
     return StateDictMismatchError(
         path,
         missing=missing,
@@ -119,4 +180,11 @@ def combine_fits(
         shape_mismatches=shapes,
         kind_mismatches=kinds,
         other_model=other_model,
+        dtype_mismatches=dtypes,
+        absent_entries=absent,
+        local_state_dict=local_mismatch,
     )
+
+
+def _keys_in(keys: Sequence[str], entries: Sequence[str]) -> int:
+    return sum(1 for k in keys if _entry_of(k, entries))

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Shard
 
+from ckpt._errors import CheckpointError
 from ckpt._fsdp_units import (
     UnitView,
     chunk_dtensor,
@@ -77,8 +78,12 @@ TEMPLATE_ATTR = "_ckpt_template_only"
 for DCP to fill: SHARDED/FULL entries then get their shapes without any gather."""
 
 
-class LocalShardMismatchError(ValueError):
-    """A LOCAL state dict does not match this rank's shard (another world size or model)."""
+class LocalShardMismatchError(CheckpointError, ValueError):
+    """A LOCAL state dict does not match this rank's shard (another world size or model).
+
+    A :class:`~ckpt.CheckpointError` like every ckpt error, and still a ``ValueError``
+    for code written against its first version.
+    """
 
 
 def _state(module: nn.Module) -> FSDPState:

@@ -25,7 +25,12 @@ import os
 import shutil
 from pathlib import Path
 
-from ckpt._errors import CheckpointExistsError, NotACheckpointError, PartialCheckpointError
+from ckpt._errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    NotACheckpointError,
+    PartialCheckpointError,
+)
 from ckpt._manifest import MANIFEST_NAME
 
 __all__ = [
@@ -124,8 +129,20 @@ def prepare_partial(path: Path, overwrite: bool) -> list[Path]:
         if stale is not None and stale.exists():
             shutil.rmtree(stale)
             removed.append(stale)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial_path(path).mkdir()
+    blocker = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise CheckpointError(
+            f"cannot save a checkpoint to {path}: {blocker} is a file, not a directory; "
+            "choose a path whose parent directories are directories (or remove that file)"
+        )
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial_path(path).mkdir()
+    except OSError as e:
+        raise CheckpointError(
+            f"cannot save a checkpoint to {path}: creating its directory failed ({e}); "
+            "choose a path you may write to"
+        ) from e
     return removed
 
 

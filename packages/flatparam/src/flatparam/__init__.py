@@ -4,6 +4,7 @@ No ``torch.distributed`` here: the sharding is pure arithmetic on sizes
 (:class:`ShardLayout`), so fsdp and zero_optim share it and test it alone.
 """
 
+from flatparam._agreement import check_fingerprints_agree
 from flatparam._flat_param import (
     FlatParameter,
     ParamInfo,
@@ -11,6 +12,7 @@ from flatparam._flat_param import (
     ShardMetadata,
     SharedParamInfo,
 )
+from flatparam._rank_errors import CollectiveError, RankDisagreementError
 from flatparam._shard import (
     ShardLayout,
     ShardPiece,
@@ -26,16 +28,19 @@ from flatparam._wrapper import FLAT_PARAM, FPW_MODULE, FlattenParamsWrapper
 __all__ = [
     "FLAT_PARAM",
     "FPW_MODULE",
+    "CollectiveError",
     "FlatParameter",
     "FlattenParamsWrapper",
     "ParamInfo",
     "ParamOffset",
+    "RankDisagreementError",
     "ShardLayout",
     "ShardMetadata",
     "ShardPiece",
     "SharedParamInfo",
     "__version__",
     "align_numel_for",
+    "check_fingerprints_agree",
     "pad_flat",
     "shard_flat",
     "unpad_flat",

@@ -28,6 +28,7 @@ padding (``padded[:full_numel]``) gives back the flat tensor bit for bit.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -115,7 +116,11 @@ class ShardLayout:
         generator of ``p.numel()`` materialised by the caller) so that callers
         need not build the tuple that makes the layout hashable.
         """
-        return cls(tuple(int(n) for n in numels), int(world_size), int(align_numel))
+        return cls(
+            tuple(_as_int("numels", n) for n in numels),
+            _as_int("world_size", world_size),
+            _as_int("align_numel", align_numel),
+        )
 
     @property
     def full_numel(self) -> int:
@@ -209,6 +214,23 @@ class ShardLayout:
         if p_start == p_end:
             return range(0)
         return range(p_start // self.shard_numel, (p_end - 1) // self.shard_numel + 1)
+
+
+def _as_int(name: str, value: object) -> int:
+    """``value`` as an int if it is an integer (int, numpy or 0-dim integer tensor).
+
+    A float or a string is refused rather than truncated: ``world_size=2.5``
+    is a mistake, not a request for 2 ranks.
+    """
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(
+            f"ShardLayout.build: {name} must be an integer, got {value!r} "
+            f"({type(value).__name__}); pass an int"
+        ) from None
 
 
 def _is_int(x: object) -> bool:

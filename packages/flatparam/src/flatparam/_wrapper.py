@@ -104,6 +104,11 @@ class FlattenParamsWrapper(nn.Module):
     _state_dict_keep_vars: bool  # keep_vars of the state_dict() call in progress
 
     def __init__(self, module: nn.Module, param_list: Iterable[Tensor]) -> None:
+        if not isinstance(module, nn.Module):
+            raise TypeError(
+                f"FlattenParamsWrapper wraps an nn.Module, got {type(module).__name__}; pass "
+                "the module whose parameters param_list holds"
+            )
         super().__init__()
         self._fpw_module = module
         self.register_parameter(FLAT_PARAM, None)

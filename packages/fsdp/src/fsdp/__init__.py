@@ -5,6 +5,8 @@
 :mod:`fsdp.wrap`. See the package README for the design.
 """
 
+from flatparam import CollectiveError, RankDisagreementError
+from fsdp._clean_exit import register_clean_exit
 from fsdp._common import TrainingState, TrainingStateError
 from fsdp._memory import MemoryEstimate, UnitSize, estimate_memory
 from fsdp._torch_types import to_fsdp_policy, to_fsdp_type
@@ -33,6 +35,7 @@ from fsdp.shards import LocalShard, is_flat_parameter, local_shards, unwrapped_n
 __all__ = [
     "BackwardPrefetch",
     "CPUOffload",
+    "CollectiveError",
     "FullOptimStateDictConfig",
     "FullStateDictConfig",
     "FullyShardedDataParallel",
@@ -43,6 +46,7 @@ __all__ = [
     "MixedPrecision",
     "OptimStateDictConfig",
     "OptimStateKeyType",
+    "RankDisagreementError",
     "ShardedGradScaler",
     "ShardedOptimStateDictConfig",
     "ShardedStateDictConfig",
@@ -61,3 +65,5 @@ __all__ = [
     "to_fsdp_type",
     "unwrapped_name",
 ]
+
+register_clean_exit()

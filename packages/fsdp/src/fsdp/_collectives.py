@@ -26,6 +26,8 @@ from typing import Any
 import torch.distributed as dist
 from torch import Tensor
 
+from fsdp._collective_failure import backend_failures
+
 __all__ = [
     "PendingCollective",
     "all_gather_into",
@@ -45,13 +47,16 @@ class PendingCollective:
 
     work: Any  # dist.Work | None (torch does not type Work for mypy)
     keep_alive: tuple[Tensor, ...] = field(default_factory=tuple)  # inputs and outputs
+    operation: str = ""  # for the error if it fails: "all_gather", ...
+    target: str = ""  # what it moves, for that error
     _done: bool = False
 
     def wait(self) -> None:
         """Block (CPU) or stream-wait (CUDA) until the collective finished; idempotent."""
         if not self._done:
             if self.work is not None:
-                self.work.wait()
+                with backend_failures(self.operation, self.target):
+                    self.work.wait()
             self._done = True
             self.keep_alive = ()
 
@@ -100,8 +105,10 @@ def all_gather_into(output: Tensor, shard: Tensor, group: Any) -> PendingCollect
             output.copy_(shard)
         return PendingCollective(None)
     fn = _collective("all_gather_single", "all_gather_into_tensor")
-    work = fn(output, shard, group=group, async_op=True)
-    return PendingCollective(work, (output, shard))
+    target = _describe(output)
+    with backend_failures("all_gather", target):
+        work = fn(output, shard, group=group, async_op=True)
+    return PendingCollective(work, (output, shard), "all_gather", target)
 
 
 def reduce_scatter_into(output: Tensor, padded: Tensor, group: Any) -> PendingCollective:
@@ -115,13 +122,21 @@ def reduce_scatter_into(output: Tensor, padded: Tensor, group: Any) -> PendingCo
         output.copy_(padded)
         return PendingCollective(None)
     fn = _collective("reduce_scatter_single", "reduce_scatter_tensor")
-    work = fn(output, padded, group=group, async_op=True)
-    return PendingCollective(work, (output, padded))
+    target = f"the gradient ({_describe(padded)})"
+    with backend_failures("reduce_scatter", target):
+        work = fn(output, padded, group=group, async_op=True)
+    return PendingCollective(work, (output, padded), "reduce_scatter", target)
 
 
 def all_reduce_inplace(tensor: Tensor, group: Any, world_size: int) -> PendingCollective:
     """Sum ``tensor`` over ranks in place (``NO_SHARD``'s gradient reduction)."""
     if world_size == 1:
         return PendingCollective(None)
-    work = dist.all_reduce(tensor, group=group, async_op=True)
-    return PendingCollective(work, (tensor,))
+    target = f"the gradient ({_describe(tensor)})"
+    with backend_failures("all_reduce", target):
+        work = dist.all_reduce(tensor, group=group, async_op=True)
+    return PendingCollective(work, (tensor,), "all_reduce", target)
+
+
+def _describe(tensor: Tensor) -> str:
+    return f"{tensor.numel():,} {str(tensor.dtype).removeprefix('torch.')} elements"

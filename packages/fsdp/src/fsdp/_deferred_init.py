@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from fsdp._agreement import check_broadcast_agrees
 from fsdp._process_groups import ProcessGroups
 
 __all__ = [
@@ -227,6 +228,15 @@ def broadcast_module_states(
     tensors = [t.detach() for t in [*params, *buffers] if t.numel() > 0]
     if not tensors:
         return
+    used = [
+        group
+        for group, size in (
+            (groups.replicate_group, groups.replicate_size),
+            (groups.shard_group, groups.shard_size),
+        )
+        if group is not None and size > 1
+    ]
+    check_broadcast_agrees(tensors, used)  # [Note: agreement step] in flatparam
     if groups.replicate_group is not None and groups.replicate_size > 1:
         _broadcast(tensors, groups.replicate_group)
     if groups.shard_size > 1:

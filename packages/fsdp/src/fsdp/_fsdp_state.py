@@ -45,6 +45,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from fsdp._agreement import check_ranks_agree
+from fsdp._collective_failure import in_phase
 from fsdp._common import (
     TrainingState,
     TrainingStateError,
@@ -179,6 +181,7 @@ class FSDPState:
                 "the FSDP instances of this model mix use_orig_params=True and False; pass the "
                 "same use_orig_params to every instance (auto_wrap_policy does that for you)"
             )
+        check_ranks_agree(states)  # [Note: agreement step] in flatparam
         self.is_root = True
         ctx = RootContext(states, RateLimiter(self.compute_device, self.limit_all_gathers))
         for s in states:
@@ -206,6 +209,7 @@ class FSDPState:
     # --- forward -----------------------------------------------------------------------------
 
     @eager_only
+    @in_phase("forward")
     def root_pre_forward(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
         """Root-only work before any unit's forward (step 1 of [Note: one training step])."""
         self.lazy_init()
@@ -234,6 +238,7 @@ class FSDPState:
         return self._ran_pre_backward and self.training_state is TrainingState.FORWARD_BACKWARD
 
     @eager_only
+    @in_phase("forward")
     def pre_forward(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
         """Gather this unit's parameters for its forward (step 2)."""
         self.assert_state((TrainingState.IDLE, TrainingState.FORWARD_BACKWARD), "forward")
@@ -276,6 +281,7 @@ class FSDPState:
         return args, kwargs
 
     @eager_only
+    @in_phase("forward")
     def post_forward(self, output: Any) -> Any:
         """Free or keep the parameters, hook the outputs for backward (step 3)."""
         if self.is_recomputing():
@@ -336,6 +342,7 @@ class FSDPState:
         engine = torch.autograd.Variable._execution_engine
         engine.queue_callback(root._finalize_backward)
 
+    @in_phase("backward")
     def _pre_backward(self, grad: Tensor) -> None:
         """Gather this unit's parameters before its gradient computation (step 4)."""
         self._queue_final_callback()
@@ -363,6 +370,7 @@ class FSDPState:
         if self.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
             self._prefetch(ctx.exec_order.next_backward(self), backward=True)
 
+    @in_phase("post-backward")
     def _post_backward(self, param: Tensor) -> None:
         """Free the parameters and start the gradient reduction (step 5)."""
         unit = self.unit
@@ -392,6 +400,7 @@ class FSDPState:
         if pending is not None:
             ctx.push_reduction(pending)
 
+    @in_phase("post-backward")
     def _finalize_backward(self) -> None:
         """Root, once per backward: complete reductions, free, reset (step 6)."""
         ctx = self._context()

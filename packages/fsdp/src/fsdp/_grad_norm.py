@@ -62,6 +62,16 @@ def clip_grad_norm_(
     """
     max_norm = float(max_norm)
     norm_type = float(norm_type)
+    if not max_norm >= 0.0:  # also refuses NaN
+        raise ValueError(
+            f"clip_grad_norm_(max_norm={max_norm}): max_norm must be >= 0 (a negative one "
+            "would flip the gradients' sign); pass the largest total norm to allow, e.g. 1.0"
+        )
+    if not (norm_type > 0.0):
+        raise ValueError(
+            f"clip_grad_norm_(norm_type={norm_type}): norm_type must be > 0 (2.0 for the "
+            "Euclidean norm, math.inf for the largest absolute value)"
+        )
     local_sharded = local_grad_norm(sharded_grads, norm_type, device)
     local_replicated = local_grad_norm(replicated_grads, norm_type, device)
     if norm_type == math.inf:

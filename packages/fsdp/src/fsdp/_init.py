@@ -166,24 +166,34 @@ def normalize_device_id(device_id: object) -> torch.device | None:
 
     A ``torch.device``, a string (``"cpu"``, ``"cuda:1"``) or an int (a CUDA
     index), each through ``torch.device`` as torch's FSDP does, so a bad string
-    raises torch's own ``RuntimeError``. An int without CUDA raises
-    ``RuntimeError`` too (torch's type for it) with the fix.
+    raises torch's own ``RuntimeError``. A CUDA device without CUDA raises
+    :class:`CudaUnavailableError` (a subclass of each type torch raises for it).
     """
-    if device_id is None or isinstance(device_id, torch.device):
-        return device_id
-    if isinstance(device_id, bool) or not isinstance(device_id, (int, str)):
+    if device_id is None:
+        return None
+    if isinstance(device_id, bool) or not isinstance(device_id, (int, str, torch.device)):
         raise TypeError(
             f"device_id must be an int, a str or a torch.device, got {device_id!r} "
             f"({type(device_id).__name__}); e.g. device_id=torch.device('cpu')"
         )
-    if isinstance(device_id, int):
-        if not torch.cuda.is_available():
-            raise RuntimeError(
-                f"device_id={device_id} names a CUDA device but CUDA is not available; pass "
-                "device_id=torch.device('cpu') (or 'cpu') or leave it None"
-            )
-        return torch.device("cuda", device_id)
-    return torch.device(device_id)
+    device = (
+        torch.device("cuda", device_id) if isinstance(device_id, int) else torch.device(device_id)
+    )
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise CudaUnavailableError(
+            f"device_id={device_id!r} names a CUDA device but CUDA is not available; pass "
+            "device_id=torch.device('cpu') (or 'cpu') or leave it None"
+        )
+    return device
+
+
+class CudaUnavailableError(RuntimeError, ValueError, AssertionError):
+    """A CUDA ``device_id`` on a machine without CUDA.
+
+    torch's FSDP raises ``RuntimeError`` for an int and ``AssertionError`` (from
+    CUDA's lazy init) for a ``torch.device``; code catching either keeps
+    working, and ``ValueError`` says what it is: a bad argument.
+    """
 
 
 def collect_unit_params(

@@ -77,6 +77,13 @@ def _require_initialized() -> None:
 
 
 def _member(group: Any, what: str) -> int:
+    if not _is_group(group):
+        # torch answers a name like "world" with "Group world is not registered" (ValueError)
+        raise ValueError(
+            f"the {what} passed to FullyShardedDataParallel must be a "
+            f"torch.distributed.ProcessGroup, got {group!r} ({type(group).__name__}); pass "
+            "None for the default group or a group from torch.distributed.new_group(...)"
+        )
     rank = dist.get_rank(group)
     if rank < 0:
         raise ValueError(

@@ -22,8 +22,9 @@ local pieces again on exit (see [Note: original parameter views]).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Generator
+from collections.abc import Generator, Sequence
 
+import torch
 from torch import Tensor, nn
 
 from fsdp._common import FLAT_PARAM, FROZEN_FLAT_PARAM, TrainingState
@@ -69,13 +70,16 @@ def summon_unit(
         fsdp_module = state.module
         registered_flat = fsdp_module._parameters.pop(FLAT_PARAM, None) is not None
         fsdp_module._parameters.pop(FROZEN_FLAT_PARAM, None)
-        for part, (full, full_grad) in zip(parts, fulls, strict=True):
+        registered = [
             part.register_full_params(full, full_grad, with_grads)
+            for part, (full, full_grad) in zip(parts, fulls, strict=True)
+        ]
         try:
             yield
         finally:
-            for part, (full, full_grad) in zip(parts, fulls, strict=True):
+            for part, params, (full, full_grad) in zip(parts, registered, fulls, strict=True):
                 if writeback:
+                    _take_in_replaced_data(params, part.flat_param._param_shapes, full)
                     part.write_back(full)
                     if full_grad is not None:
                         part.write_back_grad(full_grad)
@@ -92,6 +96,34 @@ def summon_unit(
 
 class _RankZeroWritebackError(NotImplementedError, ValueError):
     """torch's FSDP raises ``NotImplementedError`` for this; ours raised ``ValueError``."""
+
+
+def _take_in_replaced_data(
+    params: list[nn.Parameter], shapes: Sequence[torch.Size], full: Tensor
+) -> None:
+    """Copy into ``full`` what the user put in a parameter by ``p.data = t`` (writeback).
+
+    The summoned parameters are views of ``full`` (``shapes[i]`` is parameter
+    ``i``'s, in flat order); an in-place write reaches ``full``, but
+    ``p.data = t`` swaps the parameter's storage and would be lost. ``t`` is
+    taken in when it has the parameter's shape and dtype, else refused, so
+    that a write inside ``writeback=True`` is never silently dropped.
+    """
+    base = full.untyped_storage().data_ptr()
+    offset = 0
+    for p, shape in zip(params, shapes, strict=True):
+        numel = shape.numel()
+        if p.untyped_storage().data_ptr() != base:
+            if p.shape != shape or p.dtype != full.dtype:
+                raise ValueError(
+                    f"inside summon_full_params(writeback=True) a parameter's .data was "
+                    f"replaced by a tensor of shape {tuple(p.shape)} and dtype {p.dtype}, but "
+                    f"the parameter has shape {tuple(shape)} and dtype {full.dtype}: write back "
+                    "needs the same shape and dtype. Use p.data.copy_(t) (or p.copy_(t) under "
+                    "torch.no_grad()), which updates the parameter in place"
+                )
+            full[offset : offset + numel].copy_(p.detach().reshape(-1))
+        offset += numel
 
 
 def _states_in_scope(module: nn.Module, recurse: bool) -> list[FSDPState]:

@@ -4,16 +4,22 @@ A drop-in for ``torch.distributed.optim.ZeroRedundancyOptimizer`` and for
 torch's ``ddp_zero_hook`` comm hooks; see the package README.
 """
 
+from flatparam import CollectiveError, RankDisagreementError
+from zero_optim._clean_exit import register_clean_exit
 from zero_optim._ddp_hooks import hook_with_zero_step, hook_with_zero_step_interleaved
 from zero_optim._optimizer import ZeroRedundancyOptimizer
 from zero_optim._partition import Partition, sorted_greedy_partition
 from zero_optim._version import __version__
 
 __all__ = [
+    "CollectiveError",
     "Partition",
+    "RankDisagreementError",
     "ZeroRedundancyOptimizer",
     "__version__",
     "hook_with_zero_step",
     "hook_with_zero_step_interleaved",
     "sorted_greedy_partition",
 ]
+
+register_clean_exit()

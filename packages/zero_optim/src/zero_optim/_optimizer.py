@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
@@ -42,7 +43,9 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.futures import Future
 from torch.optim import Optimizer
 
+from zero_optim._agreement import check_ranks_agree, zero_fingerprint
 from zero_optim._buckets import ParamBuckets
+from zero_optim._collective_failure import collective_failures
 from zero_optim._collectives import (
     PendingBroadcast,
     broadcast_from_owner,
@@ -53,6 +56,7 @@ from zero_optim._overlap import BackwardPhase, HookKind, OverlapState, reduced_g
 from zero_optim._partition import Partition, sorted_greedy_partition
 from zero_optim._state_dict import (
     check_full_state_dict,
+    check_state_shapes,
     cpu_copy,
     full_state_dict,
     local_state_dict,
@@ -159,6 +163,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._in_join = False
 
         self._repartition()
+        self._check_ranks_agree(defaults)
         local_groups = self._local_param_groups()
         try:
             self.optim = optimizer_class(local_groups, **defaults)
@@ -191,8 +196,25 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._begin_local_step()
         loss = self.optim.step(**kwargs) if closure is None else self.optim.step(closure, **kwargs)
         self._end_local_step()
-        self._broadcast_and_wait(self._broadcast_all_shards())
+        with self._failures("broadcast", "the updated parameters", "optimizer step"):
+            self._broadcast_and_wait(self._broadcast_all_shards())
         return loss
+
+    def _check_ranks_agree(self, defaults: Mapping[str, Any]) -> None:
+        """[Note: agreement step] in flatparam: every rank built the same optimizer."""
+        options = {
+            "parameters_as_bucket_view": self.parameters_as_bucket_view,
+            "overlap_with_ddp": self._overlap_with_ddp,
+            "world_size": self.world_size,
+        }
+        fingerprint = zero_fingerprint(
+            self.param_groups, self._optimizer_class, defaults, self._params_per_rank, options
+        )
+        check_ranks_agree(fingerprint, self.process_group, self.rank, self._default_device)
+
+    def _failures(self, operation: str, target: str, phase: str) -> AbstractContextManager[None]:
+        """Name a backend failure of the collectives inside (rank, what, phase)."""
+        return collective_failures(self.rank, operation, target, phase)
 
     def _begin_local_step(self) -> None:
         trainable = self._trainable_mask()
@@ -224,7 +246,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def _send_grads_to_joined(self, joined: bool) -> None:
         trainable = [[p for p in ps if p.requires_grad] for ps in self._params_per_rank]
-        send_grads_to_joined(trainable, joined, self.rank, self.process_group, self._default_device)
+        with self._failures("broadcast", "gradients for joined ranks", "optimizer step"):
+            send_grads_to_joined(
+                trainable, joined, self.rank, self.process_group, self._default_device
+            )
 
     # ------------------------------------------------- overlap with DDP
 
@@ -451,7 +476,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         global_ids = owned_global_indices(self._partition, self.rank, group_lengths)
         local = self.optim.state_dict()["state"]
         mine = {global_ids[i]: cpu_copy(v) for i, v in local.items()}
-        gathered = gather_to(mine, to, self.rank, self.world_size, self.process_group)
+        with self._failures("gather", "the optimizer state", "consolidate_state_dict"):
+            gathered = gather_to(mine, to, self.rank, self.world_size, self.process_group)
         if self.rank == to:
             self._consolidated = {k: v for part in gathered for k, v in part.items()}
         else:
@@ -481,6 +507,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         """
         group_lengths = [len(g["params"]) for g in self.param_groups]
         check_full_state_dict(state_dict, group_lengths)
+        check_state_shapes(state_dict, self._all_params)
         local = local_state_dict(state_dict, self._partition, self.rank, group_lengths)
         local["state"] = cpu_copy(local["state"])
         self.optim.load_state_dict(local)
@@ -520,7 +547,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._begin_local_step()
         self.optim.step()
         self._end_local_step()
-        self._broadcast_and_wait(self._broadcast_all_shards())
+        with self._failures("broadcast", "the updated parameters", "optimizer step (joined)"):
+            self._broadcast_and_wait(self._broadcast_all_shards())
 
 
 class _ZeroJoinHook(JoinHook):

@@ -24,11 +24,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from zero_optim._partition import Partition
 
 __all__ = [
     "check_full_state_dict",
+    "check_state_shapes",
     "cpu_copy",
     "full_state_dict",
     "local_state_dict",
@@ -74,6 +76,46 @@ def check_full_state_dict(state_dict: Mapping[str, Any], group_lengths: Sequence
         raise ValueError(
             f"the state dict has state for parameter indices {bad[:5]}, outside 0..{total - 1}"
         )
+
+
+# Per-element states of torch's optimizers: each has its parameter's shape.
+_PER_ELEMENT_STATES = frozenset(
+    {
+        "exp_avg",
+        "exp_avg_sq",
+        "max_exp_avg_sq",
+        "momentum_buffer",
+        "sum",
+        "square_avg",
+        "acc_delta",
+        "grad_avg",
+        "exp_inf",
+        "prev",
+        "step_size",
+        "ax",
+    }
+)
+
+
+def check_state_shapes(state_dict: Mapping[str, Any], params: Sequence[Tensor]) -> None:
+    """Raise a ``ValueError`` if a per-element state does not have its parameter's shape.
+
+    Such a state dict belongs to another model; loading it would succeed and the
+    next ``step()`` fail with a bare tensor-size error on some rank.
+    """
+    for index, entry in state_dict["state"].items():
+        if not isinstance(entry, Mapping):
+            continue
+        expected = tuple(params[index].shape)
+        for name, value in entry.items():
+            wrong = isinstance(value, Tensor) and tuple(value.shape) != expected
+            if wrong and name in _PER_ELEMENT_STATES:
+                raise ValueError(
+                    f"the state dict's {name!r} of parameter {index} has shape "
+                    f"{tuple(value.shape)} but that parameter has shape {expected}: the "
+                    "state dict was saved from another model; load one saved from this "
+                    "model (same sizes, same parameter order)"
+                )
 
 
 def local_state_dict(

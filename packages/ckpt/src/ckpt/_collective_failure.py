@@ -1,0 +1,69 @@
+"""Backend failures of a save's or load's collectives, re-raised named.
+
+Two levels, as in fsdp: :func:`backend_failures` wraps each collective of
+:class:`~ckpt._comm.Comm` and the agreement step (it knows the operation);
+:func:`in_phase` decorates ``save``/``load``/... (it knows the phase and the
+checkpoint path) and names them in any :class:`~flatparam.CollectiveError` that
+arrives without a phase, also one raised by fsdp while gathering a state dict.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar, cast
+
+import torch.distributed as dist
+
+from flatparam import CollectiveError
+
+__all__ = ["backend_failures", "in_phase"]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+@contextmanager
+def backend_failures(operation: str, target: str) -> Iterator[None]:
+    """Turn a backend ``RuntimeError`` inside the block into a :class:`CollectiveError`."""
+    try:
+        yield
+    except CollectiveError:
+        raise
+    except RuntimeError as e:  # torch's DistError/DistBackendError derive from it
+        raise CollectiveError.from_backend(
+            e, rank=_rank(), operation=operation, target=target, phase=""
+        ) from e
+
+
+def in_phase(phase: str) -> Callable[[_F], _F]:
+    """Name ``phase`` and the checkpoint path in a phase-less :class:`CollectiveError`.
+
+    For functions whose second positional argument (or ``path=``) is the
+    checkpoint path.
+    """
+
+    def decorate(fn: _F) -> _F:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(*args, **kwargs)
+            except CollectiveError as e:
+                if e.phase:
+                    raise
+                path = kwargs.get("path", args[1] if len(args) > 1 else None)
+                if path is None and args:
+                    path = args[0]  # verify(path)
+                target = f"{e.target} (checkpoint {str(path)!r})"
+                cause = e.__cause__ if e.__cause__ is not None else e
+                raise CollectiveError.from_backend(
+                    cause, rank=e.rank, operation=e.operation, target=target, phase=phase
+                ) from cause
+
+        return cast(_F, wrapper)
+
+    return decorate

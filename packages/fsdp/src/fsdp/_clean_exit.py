@@ -1,0 +1,46 @@
+"""Destroy the default process group at interpreter exit, before C++ teardown does.
+
+[Note: clean exit]
+A process that leaves its gloo process group to Python's finalization sometimes
+dies at exit with ``terminate called without an active exception`` (SIGABRT,
+exit code 134) after it did all its work, more often after a collective failed
+(a timeout leaves a gloo operation pending): the group's C++ objects are then
+torn down with the interpreter (no Python frame left) while its threads still
+run. Destroying the group from an ``atexit`` hook, while the interpreter is intact,
+and collecting the garbage cycles that may still hold it (a traceback's frames, a
+model) makes that rare or gone; measured on a shared 2-core machine over 2-rank
+runs that exit through a normal interpreter shutdown: without the hook 1 abort in
+20 runs (and 1 in 6), with only ``destroy_process_group`` 1 in about 30, with it
+and ``gc.collect()`` 0 in 40. That is evidence, not proof: the root cause is inside
+gloo/c10d teardown. Non-daemon threads (an asynchronous checkpoint) have been
+joined by then; destroying a gloo group is local and closes its sockets, which
+makes any peer still waiting on this rank fail at once instead of at its
+timeout. fsdp and zero_optim each register the hook on import; it does nothing
+when no group is left.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import gc
+
+import torch.distributed as dist
+
+__all__ = ["register_clean_exit"]
+
+
+def _destroy_default_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+        # destroy_process_group only drops torch's own references; a group still held
+        # by a garbage cycle (a traceback's frames, a model) would be freed during
+        # interpreter teardown instead. Collect those now, while it is intact.
+        gc.collect()
+
+
+def register_clean_exit() -> None:
+    """Register the exit hook once per process (see [Note: clean exit])."""
+    atexit.unregister(_destroy_default_group)  # at most once, whoever registered it before
+    atexit.register(_destroy_default_group)
