@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp import CPUOffload, FullyShardedDataParallel, MixedPrecision
+from fsdp._init import CudaUnavailableError
 from tests.fsdp._common import Block, batches, loss_fn, make_net
 from tests.ranks import run_ranks
 
@@ -194,8 +195,14 @@ def double_backward() -> None:
 @case
 def int_device_without_cuda() -> None:
     if torch.cuda.is_available():
-        raise RuntimeError("names a CUDA device but CUDA is not available (skipped: CUDA present)")
-    FullyShardedDataParallel(nn.Linear(2, 2), device_id=0)
+        raise CudaUnavailableError(
+            "names a CUDA device but CUDA is not available (not checkable: CUDA present)"
+        )
+    try:
+        FullyShardedDataParallel(nn.Linear(2, 2), device_id=0)
+    except RuntimeError as e:  # torch's type for it; ours is a subclass
+        assert isinstance(e, CudaUnavailableError)
+        raise
 
 
 @case
@@ -234,7 +241,7 @@ EXPECTED: dict[str, tuple[str, str]] = {
     "summon_rank0_writeback": ("_RankZeroWritebackError", "Pass writeback=False"),
     "mixed_dtypes_in_unit": ("ValueError", r"must share one dtype.*torch\.float64: head\.weight"),
     "double_backward": ("RuntimeError", "gradients of gradients"),
-    "int_device_without_cuda": ("RuntimeError", "names a CUDA device but CUDA is not available"),
+    "int_device_without_cuda": ("CudaUnavailableError", "names a CUDA device but CUDA is not"),
     "comm_hook_not_callable": ("ValueError", "must be callable"),
     "inner_used_as_root_first": ("RuntimeError", "already ran as a root"),
 }
