@@ -79,7 +79,14 @@ FAMILIES = {
     "sgo": [TORCH_SGO, OURS_SGO],
 }
 
-_SPIED = ("all_reduce", "reduce", "broadcast", "all_gather_single", "reduce_scatter_single")
+_SPIED = (
+    "all_reduce",
+    "reduce",
+    "broadcast",
+    "all_gather",  # torch's FSDP1 gathers CPU tensors into a list
+    "all_gather_single",
+    "reduce_scatter_single",
+)
 
 
 @contextmanager
@@ -93,6 +100,11 @@ def _ring_bytes(world_size: int) -> Iterator[Counter[str]]:
 
     def spy(name: str) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
+            if name == "all_gather":
+                outputs = args[0] if args else kwargs["tensor_list"]
+                n = sum(o.numel() * o.element_size() for o in outputs)
+                counts[name] += int(share * n)
+                return originals[name](*args, **kwargs)
             if name == "reduce_scatter_single":
                 t = args[1] if len(args) > 1 else kwargs["input"]
             elif name == "all_gather_single":
@@ -214,7 +226,7 @@ class _Trainer:
             for k, t in s.items()
             if k != "step" and isinstance(t, torch.Tensor)
         )
-        return held
+        return int(held)
 
 
 def _timing_rank(variants: list[str], model: dict[str, int], warmup: int, iters: int) -> Any:
