@@ -32,6 +32,7 @@ from zero_optim import (
     hook_with_zero_step_to_owners,
 )
 from zero_optim._broadcast import IN_PLACE_MIN_NUMEL, STAGING_NUMEL, STAGING_SLOTS, ShardBroadcaster
+from zero_optim._owner_reduce import OwnerRun, owner_runs
 
 # ----------------------------------------------------------------- broadcast
 
@@ -154,3 +155,15 @@ def test_reduce_to_owners_moves_no_more_than_ddp(world_size: int) -> None:
     assert owners_cost == pytest.approx(ddp_cost)
     for other in ("zero step", "zero hook"):  # the all-reduce, then the broadcast
         assert result[other][1] == pytest.approx(1.5 * ddp_cost)
+
+
+def test_owner_runs_merge_adjacent_slices_of_one_owner() -> None:
+    # gradients laid out in the bucket out of parameter order, with a gap at 10..12
+    offsets = [(4, 10), (0, 4), (12, 20), (20, 21)]
+    owners = [1, 1, 1, 0]
+    assert owner_runs(offsets, owners) == [
+        OwnerRun(owner=1, start=0, end=10),
+        OwnerRun(owner=1, start=12, end=20),
+        OwnerRun(owner=0, start=20, end=21),
+    ]
+    assert owner_runs([], []) == []
