@@ -23,7 +23,12 @@ from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZeRO
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: N817
 from torch.optim.lr_scheduler import StepLR
 
-from zero_optim import ZeroRedundancyOptimizer, hook_with_zero_step, hook_with_zero_step_interleaved
+from zero_optim import (
+    ZeroRedundancyOptimizer,
+    hook_with_zero_step,
+    hook_with_zero_step_interleaved,
+    hook_with_zero_step_to_owners,
+)
 
 # After DDP's rebuild this cap (bytes) splits the model's gradients into two buckets.
 BUCKET_CAP_MB = 512 / 2**20
@@ -44,6 +49,7 @@ OURS_BUCKETS = "ours, bucket views"
 OURS_OVERLAP = "ours, overlap (hook_with_zero_step)"
 OURS_OVERLAP_INTERLEAVED = "ours, overlap (interleaved)"
 OURS_OVERLAP_INTERLEAVED_BUCKETS = "ours, overlap (interleaved), bucket views"
+OURS_TO_OWNERS = "ours, overlap (reduce to owners)"
 VARIANTS = (
     PLAIN,
     TORCH_ZERO,
@@ -53,11 +59,13 @@ VARIANTS = (
     OURS_OVERLAP,
     OURS_OVERLAP_INTERLEAVED,
     OURS_OVERLAP_INTERLEAVED_BUCKETS,
+    OURS_TO_OWNERS,
 )
 OVERLAP = {
     OURS_OVERLAP: hook_with_zero_step,
     OURS_OVERLAP_INTERLEAVED: hook_with_zero_step_interleaved,
     OURS_OVERLAP_INTERLEAVED_BUCKETS: hook_with_zero_step_interleaved,
+    OURS_TO_OWNERS: None,
 }
 
 
@@ -117,8 +125,11 @@ def build(
             overlap_with_ddp=variant in OVERLAP,
             **kwargs,
         )
-        if variant in OVERLAP:
-            ddp.register_comm_hook(None, OVERLAP[variant](allreduce_hook, ddp, zero))
+        wrapping = OVERLAP.get(variant)
+        if wrapping is not None:
+            ddp.register_comm_hook(None, wrapping(allreduce_hook, ddp, zero))
+        elif variant in OVERLAP:
+            ddp.register_comm_hook(None, hook_with_zero_step_to_owners(ddp, zero))
         opt = zero
     scale_group_lrs(opt)
     return model, ddp, opt
@@ -176,3 +187,10 @@ def assert_same(got: list[Tensor], want: list[Tensor], what: str) -> None:
         if not torch.equal(g, w):
             diff = (g - w).abs().max().item()
             raise AssertionError(f"{what}: parameter {i} differs by up to {diff:.3g}")
+
+
+def assert_close(got: list[Tensor], want: list[Tensor], what: str) -> None:
+    """Equality up to float32 rounding (a few ulps), for sums taken in another order."""
+    assert len(got) == len(want), what
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, msg=f"{what}: parameter {i}")

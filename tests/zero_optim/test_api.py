@@ -23,7 +23,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: N817
 
 from tests.ranks import run_ranks
 from tests.zero_optim._common import assert_same, batch, make_model
-from zero_optim import ZeroRedundancyOptimizer, hook_with_zero_step, hook_with_zero_step_interleaved
+from zero_optim import (
+    ZeroRedundancyOptimizer,
+    hook_with_zero_step,
+    hook_with_zero_step_interleaved,
+    hook_with_zero_step_to_owners,
+)
 
 SGD = torch.optim.SGD
 
@@ -139,6 +144,12 @@ def _errors_with_a_process_group() -> None:
     ddp.register_comm_hook(None, hook_with_zero_step(allreduce_hook, ddp, overlapping))
     with pytest.raises(RuntimeError, match="a DDP hook already drives this"):
         hook_with_zero_step(allreduce_hook, ddp, overlapping)
+    with pytest.raises(RuntimeError, match="a DDP hook already drives this"):
+        hook_with_zero_step_to_owners(ddp, overlapping)
+    with pytest.raises(ValueError, match="must be constructed with overlap_with_ddp=True"):
+        hook_with_zero_step_to_owners(ddp, ZeroRedundancyOptimizer(model.parameters(), SGD))
+    with pytest.raises(ValueError, match=r"does not hold DDP's trainable parameters"):
+        hook_with_zero_step_to_owners(ddp, stranger)
     with pytest.raises(TypeError, match=r"must be a zero_optim\.ZeroRedundancyOptimizer"):
         hook_with_zero_step(allreduce_hook, ddp, TorchZeRO(model.parameters(), SGD))  # type: ignore[arg-type]
 

@@ -6,7 +6,9 @@ torch's ZeRO with and without bucket views; ours with and without bucket views
 and overlapped with DDP through either hook. Torch's overlap refuses gloo, so
 our overlapped runs are compared with DDP + the plain optimizer and torch's
 non-overlapped ZeRO. Ten steps each, starting from the first iteration (ours
-loses no warm-up step).
+loses no warm-up step). The hook that reduces gradients only to their owners
+is bitwise equal at one and two ranks and equal up to float rounding at four
+(its sums add the ranks' terms in another order than the all-reduce).
 
 Equality is exact: every variant reduces the same gradients with the same DDP
 all-reduce and applies the same per-parameter update on the CPU, so nothing
@@ -23,9 +25,11 @@ from tests.zero_optim._common import (
     OPTIMIZERS,
     OURS,
     OURS_BUCKETS,
+    OURS_TO_OWNERS,
     PLAIN,
     TORCH_ZERO,
     VARIANTS,
+    assert_close,
     assert_same,
     state_bytes,
     train,
@@ -36,6 +40,7 @@ from zero_optim import ZeroRedundancyOptimizer
 def _parity_rank() -> dict[str, list[int]]:
     """Run every sub-case; return optimizer-state bytes per (optimizer, variant)."""
     state_sizes: dict[str, list[int]] = {}
+    world = dist.get_world_size()
     for scenario in ("simple", "groups"):
         for opt_name in OPTIMIZERS:
             reference, plain = train(PLAIN, opt_name, scenario)
@@ -44,11 +49,14 @@ def _parity_rank() -> dict[str, list[int]]:
                 state_sizes[f"{opt_name} {PLAIN}"] = [sum(per_param), max(per_param)]
             for variant in VARIANTS[1:]:
                 params, opt = train(variant, opt_name, scenario)
-                assert_same(params, reference, f"{scenario}/{opt_name}/{variant} vs {PLAIN}")
+                # Summing onto owners adds the ranks' terms in another order than
+                # the all-reduce beyond two ranks: equal up to rounding there.
+                check = assert_close if variant == OURS_TO_OWNERS and world > 2 else assert_same
+                check(params, reference, f"{scenario}/{opt_name}/{variant} vs {PLAIN}")
                 if variant == TORCH_ZERO:
                     torch_params = params
                 else:
-                    assert_same(params, torch_params, f"{scenario}/{opt_name}/{variant} vs torch")
+                    check(params, torch_params, f"{scenario}/{opt_name}/{variant} vs torch")
                 if scenario == "simple" and variant in (OURS, OURS_BUCKETS, TORCH_ZERO):
                     assert isinstance(opt, ZeroRedundancyOptimizer) or variant == TORCH_ZERO
                     local = opt.optim.state  # type: ignore[attr-defined]

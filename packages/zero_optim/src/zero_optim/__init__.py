@@ -6,7 +6,11 @@ torch's ``ddp_zero_hook`` comm hooks; see the package README.
 
 from flatparam import CollectiveError, RankDisagreementError
 from zero_optim._clean_exit import register_clean_exit
-from zero_optim._ddp_hooks import hook_with_zero_step, hook_with_zero_step_interleaved
+from zero_optim._ddp_hooks import (
+    hook_with_zero_step,
+    hook_with_zero_step_interleaved,
+    hook_with_zero_step_to_owners,
+)
 from zero_optim._optimizer import ZeroRedundancyOptimizer
 from zero_optim._partition import Partition, sorted_greedy_partition
 from zero_optim._version import __version__
@@ -19,6 +23,7 @@ __all__ = [
     "__version__",
     "hook_with_zero_step",
     "hook_with_zero_step_interleaved",
+    "hook_with_zero_step_to_owners",
     "sorted_greedy_partition",
 ]
 

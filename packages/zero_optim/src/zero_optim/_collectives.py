@@ -15,7 +15,6 @@ from a future's callback, whose thread and timing differ between ranks.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,84 +22,15 @@ import torch.distributed as dist
 from torch import Tensor
 
 __all__ = [
-    "PendingBroadcast",
-    "broadcast_from_owner",
     "gather_to",
     "pack",
     "send_grads_to_joined",
-    "unpack",
 ]
 
 
 def pack(tensors: Sequence[Tensor]) -> Tensor:
     """Concatenate ``tensors`` (same dtype and device) into one new 1-D tensor."""
     return torch.cat([t.detach().reshape(-1) for t in tensors])
-
-
-def unpack(flat: Tensor, tensors: Sequence[Tensor]) -> None:
-    """Copy consecutive slices of ``flat`` into ``tensors``, the inverse of :func:`pack`."""
-    offset = 0
-    for t in tensors:
-        n = t.numel()
-        t.detach().copy_(flat[offset : offset + n].view_as(t))
-        offset += n
-    if offset != flat.numel():
-        raise ValueError(f"unpack: {flat.numel()} elements for tensors holding {offset}")
-
-
-@dataclass
-class PendingBroadcast:
-    """An issued broadcast and, for a packed one, where its data goes on arrival."""
-
-    work: dist.Work
-    flat: Tensor | None  # the packed buffer; None when tensors were sent in place
-    targets: Sequence[Tensor]  # receivers unpack ``flat`` into these after the wait
-
-    def wait(self) -> None:
-        """Block until the data has arrived, then unpack it if it was packed."""
-        self.work.wait()
-        if self.flat is not None and self.targets:
-            unpack(self.flat, self.targets)
-
-
-def broadcast_from_owner(
-    tensors: Sequence[Tensor],
-    owner: int,
-    rank: int,
-    group: dist.ProcessGroup,
-    *,
-    coalesce: bool,
-) -> list[PendingBroadcast]:
-    """Start broadcasting ``tensors`` from group rank ``owner`` to every rank.
-
-    Every rank passes the same list (same shapes, same order): the owner's are
-    sent, the others' overwritten. With ``coalesce`` (or when a tensor is not
-    contiguous) several tensors travel packed in one message and receivers
-    unpack them on :meth:`PendingBroadcast.wait`; otherwise (and always for a
-    single contiguous tensor, such as a bucket) each one is broadcast in place
-    with no copy.
-    """
-    tensors = [t for t in tensors if t.numel() > 0]
-    if not tensors:
-        return []
-    src = dist.get_global_rank(group, owner)
-    if (not coalesce or len(tensors) == 1) and all(t.is_contiguous() for t in tensors):
-        return [
-            PendingBroadcast(
-                _async(dist.broadcast(t.detach(), src, group, async_op=True)), None, ()
-            )
-            for t in tensors
-        ]
-    if owner == rank:
-        flat = pack(tensors)
-        targets: Sequence[Tensor] = ()
-    else:
-        numel = sum(t.numel() for t in tensors)
-        flat = torch.empty(numel, dtype=tensors[0].dtype, device=tensors[0].device)
-        targets = tensors
-    return [
-        PendingBroadcast(_async(dist.broadcast(flat, src, group, async_op=True)), flat, targets)
-    ]
 
 
 def gather_to(

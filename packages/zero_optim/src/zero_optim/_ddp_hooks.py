@@ -24,7 +24,11 @@ if TYPE_CHECKING:
     # what DDP.register_comm_hook takes: (state, bucket) -> future of the reduced bucket
     CommHook = Callable[[Any, GradBucket], Future[Tensor]]
 
-__all__ = ["hook_with_zero_step", "hook_with_zero_step_interleaved"]
+__all__ = [
+    "hook_with_zero_step",
+    "hook_with_zero_step_interleaved",
+    "hook_with_zero_step_to_owners",
+]
 
 
 def hook_with_zero_step(
@@ -68,8 +72,35 @@ def hook_with_zero_step_interleaved(
     return _wrap(hook, ddp, zero, HookKind.INTERLEAVED)
 
 
+def hook_with_zero_step_to_owners(
+    ddp: DistributedDataParallel, zero: ZeroRedundancyOptimizer
+) -> CommHook:
+    """A DDP hook that reduces each gradient only to its owner, which steps it during backward.
+
+    Register it with ``ddp.register_comm_hook(None, hook_with_zero_step_to_owners(ddp, zero))``
+    and drop ``zero.step()`` from the loop. It replaces DDP's all-reduce
+    rather than wrapping a hook: each bucket's gradients are summed onto the
+    ranks that own them (ZeRO's stage 1/2 pattern), the owners step their
+    share as the buckets complete (bucket ``k`` when ``k + 1`` arrives, as
+    the interleaved hook), and the new parameters are broadcast. A step then
+    moves as many bytes as plain DDP's all-reduce, where the other hooks and
+    ``step()`` move one and a half times that (see [Note: reduce to owners]),
+    and the parameters equal DDP with the plain optimizer.
+
+    Choose it over :func:`hook_with_zero_step` when the network is the
+    bottleneck (gloo, several hosts, large models) and nothing needs the
+    full gradients after ``backward()``: a parameter's ``.grad`` holds its
+    reduced gradient only on its owner and zeros elsewhere, so gradient
+    clipping by global norm or gradient inspection across the whole model
+    are not possible (nor are they with the other hooks, which step before
+    ``backward()`` returns), and a custom reduction (compression, another
+    averaging) cannot be plugged in; use the wrapping hooks for those.
+    """
+    return _wrap(None, ddp, zero, HookKind.TO_OWNERS)
+
+
 def _wrap(
-    hook: CommHook,
+    hook: CommHook | None,
     ddp: DistributedDataParallel,
     zero: ZeroRedundancyOptimizer,
     kind: HookKind,
@@ -107,6 +138,8 @@ def _wrap(
     zero._attach_hook(kind)
 
     def hook_with_zero(state: Any, bucket: GradBucket) -> Future[Tensor]:
+        if hook is None:
+            return zero._reduce_ddp_bucket_to_owners(bucket)
         fut = hook(state, bucket)
         zero._on_ddp_bucket(bucket, fut)  # type: ignore[arg-type]
         return fut

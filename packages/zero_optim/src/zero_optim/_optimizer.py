@@ -44,15 +44,12 @@ from torch.futures import Future
 from torch.optim import Optimizer
 
 from zero_optim._agreement import check_ranks_agree, zero_fingerprint
+from zero_optim._broadcast import ShardBroadcaster
 from zero_optim._buckets import ParamBuckets
 from zero_optim._collective_failure import collective_failures
-from zero_optim._collectives import (
-    PendingBroadcast,
-    broadcast_from_owner,
-    gather_to,
-    send_grads_to_joined,
-)
+from zero_optim._collectives import gather_to, send_grads_to_joined
 from zero_optim._overlap import BackwardPhase, HookKind, OverlapState, reduced_gradients
+from zero_optim._owner_reduce import reduce_to_owners
 from zero_optim._partition import Partition, sorted_greedy_partition
 from zero_optim._state_dict import (
     check_full_state_dict,
@@ -99,9 +96,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         parameters_as_bucket_view: pack each rank's parameters into one
             contiguous bucket per device, so the post-step broadcast is one
             collective per rank with no copy; ``param.data`` then views the
-            bucket. Without it ``param.data`` is left alone and each rank's
-            updated parameters are packed into one temporary message per step
-            (a copy, but one collective per rank instead of one per parameter).
+            bucket. Without it ``param.data`` is left alone and each updated
+            parameter is broadcast in place, small ones packed together through
+            a few reusable buffers (see [Note: bounded broadcast]).
         overlap_with_ddp: step inside DDP's backward pass, bucket by bucket;
             requires registering ``hook_with_zero_step`` or
             ``hook_with_zero_step_interleaved`` on the DDP model, and then
@@ -158,6 +155,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._default_device = self._all_params[0].device
         self._trainable = self._trainable_mask()
         self._buckets = ParamBuckets()
+        self._broadcaster = ShardBroadcaster(group, self.rank)
         self._consolidated: dict[int, Any] | None = None  # global index -> state, on `to` only
         # inside a Join context: from join_hook() (Join.__init__) to its post_hook (Join.__exit__)
         self._in_join = False
@@ -197,7 +195,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         loss = self.optim.step(**kwargs) if closure is None else self.optim.step(closure, **kwargs)
         self._end_local_step()
         with self._failures("broadcast", "the updated parameters", "optimizer step"):
-            self._broadcast_and_wait(self._broadcast_all_shards())
+            self._broadcast_all_shards()
         return loss
 
     def _check_ranks_agree(self, defaults: Mapping[str, Any]) -> None:
@@ -226,23 +224,19 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def _end_local_step(self) -> None:
         _copy_hyperparameters(self.optim.param_groups, self.param_groups)
 
-    def _broadcast_all_shards(self) -> list[PendingBroadcast]:
-        """Start every owner's broadcast of its updated parameters, in rank order."""
-        pending: list[PendingBroadcast] = []
+    def _broadcast_all_shards(self) -> None:
+        """Every owner broadcasts its updated parameters, in rank order; returns once all landed.
+
+        In place or through bounded staging buffers, never a copy of a whole
+        shard: see [Note: bounded broadcast] in ``_broadcast.py``.
+        """
         for owner in range(self.world_size):
             if self.parameters_as_bucket_view:
                 tensors = self._buckets.tensors_of(owner)
             else:
                 tensors = [p for p in self._params_per_rank[owner] if p.requires_grad]
-            pending += broadcast_from_owner(
-                tensors, owner, self.rank, self.process_group, coalesce=True
-            )
-        return pending
-
-    @staticmethod
-    def _broadcast_and_wait(pending: Sequence[PendingBroadcast]) -> None:
-        for b in pending:
-            b.wait()
+            self._broadcaster.start(tensors, owner)
+        self._broadcaster.finish()
 
     def _send_grads_to_joined(self, joined: bool) -> None:
         trainable = [[p for p in ps if p.requires_grad] for ps in self._params_per_rank]
@@ -292,17 +286,16 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             state.begin_pass()
             self._begin_local_step()
         state.pending.append((bucket, fut))
-        keep = 0 if bucket.is_last() else (1 if state.kind is HookKind.INTERLEAVED else None)
+        interleaved = state.kind in (HookKind.INTERLEAVED, HookKind.TO_OWNERS)
+        keep = 0 if bucket.is_last() else (1 if interleaved else None)
         while keep is not None and len(state.pending) > keep:
-            self._step_ddp_bucket(*state.pending.popleft(), state.broadcasts)
+            self._step_ddp_bucket(*state.pending.popleft())
         if bucket.is_last():
-            self._broadcast_and_wait(state.broadcasts)
+            self._broadcaster.finish()
             self._end_local_step()
             state.end_pass()
 
-    def _step_ddp_bucket(
-        self, bucket: GradBucket, fut: Future[object], broadcasts: list[PendingBroadcast]
-    ) -> None:
+    def _step_ddp_bucket(self, bucket: GradBucket, fut: Future[object]) -> None:
         grads = reduced_gradients(bucket, fut)
         params = bucket.parameters()
         owners = [self._owner_of(p) for p in params]
@@ -310,9 +303,16 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._step_only(mine)
         for owner in range(self.world_size):
             share = [p for p, o in zip(params, owners, strict=True) if o == owner]
-            broadcasts += broadcast_from_owner(
-                share, owner, self.rank, self.process_group, coalesce=True
-            )
+            self._broadcaster.start(share, owner)
+
+    def _reduce_ddp_bucket_to_owners(self, bucket: GradBucket) -> Future[Tensor]:
+        """The to-owners hook's reduction of one bucket, then the usual per-bucket step.
+
+        See [Note: reduce to owners] in ``_owner_reduce.py``.
+        """
+        fut = reduce_to_owners(bucket, self._owner_of, self.rank, self.process_group)
+        self._on_ddp_bucket(bucket, fut)  # type: ignore[arg-type]
+        return fut
 
     def _owner_of(self, param: Tensor) -> int:
         owner = self._param_to_rank_map.get(param)
@@ -548,7 +548,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self.optim.step()
         self._end_local_step()
         with self._failures("broadcast", "the updated parameters", "optimizer step (joined)"):
-            self._broadcast_and_wait(self._broadcast_all_shards())
+            self._broadcast_all_shards()
 
 
 class _ZeroJoinHook(JoinHook):

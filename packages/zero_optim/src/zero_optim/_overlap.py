@@ -48,8 +48,6 @@ from typing import TYPE_CHECKING
 from torch import Tensor
 from torch.futures import Future
 
-from zero_optim._collectives import PendingBroadcast
-
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import GradBucket  # torch.distributed.GradBucket
 
@@ -72,6 +70,9 @@ class HookKind(enum.Enum):
     """``hook_with_zero_step``: every bucket is stepped when the last one arrives."""
     INTERLEAVED = enum.auto()
     """``hook_with_zero_step_interleaved``: bucket k is stepped when k + 1 arrives."""
+    TO_OWNERS = enum.auto()
+    """``hook_with_zero_step_to_owners``: as INTERLEAVED, with each bucket reduced only to
+    its owners instead of all-reduced (see [Note: reduce to owners])."""
 
 
 @dataclass
@@ -82,22 +83,19 @@ class OverlapState:
     phase: BackwardPhase = BackwardPhase.IDLE
     # buckets whose all-reduce was launched but whose shard is not stepped yet
     pending: deque[tuple[GradBucket, Future[object]]] = field(default_factory=deque)
-    # broadcasts of updated shards, waited for at the end of the backward pass
-    broadcasts: list[PendingBroadcast] = field(default_factory=list)
     passes: int = 0  # backward passes fully stepped so far
     user_step_warned: bool = False
 
     def begin_pass(self) -> None:
         """The first bucket of a backward pass has arrived."""
         assert self.phase is BackwardPhase.IDLE, self.phase
-        assert not self.pending and not self.broadcasts
+        assert not self.pending
         self.phase = BackwardPhase.REDUCING
 
     def end_pass(self) -> None:
         """Every bucket was stepped and every broadcast has landed."""
         assert self.phase is BackwardPhase.REDUCING, self.phase
         assert not self.pending
-        self.broadcasts.clear()
         self.phase = BackwardPhase.IDLE
         self.passes += 1
 
