@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from ckpt import _layout
-from ckpt._comm import Comm, async_group
+from ckpt._comm import Comm, async_group, device_of, on_device
 from ckpt._errors import CheckpointError, CorruptCheckpointError, FileProblem
 from ckpt._fit import combine_fits, fit_rank, local_shapes, saved_shapes
 from ckpt._manifest import (
@@ -356,11 +356,12 @@ def save(
     target = _as_path(path)
     comm = Comm.of(process_group)
     sum_kind = _as_checksum(checksum)
-    state_dict, _ = to_state_dict(state, process_group)
-    tx = _SaveTransaction(target, comm, sum_kind)
-    tx.prepare(overwrite)
-    tx.write(state_dict)
-    return tx.commit(_on_commit)
+    with on_device(device_of(state)):  # [Note: choosing the CUDA device] in fsdp
+        state_dict, _ = to_state_dict(state, process_group)
+        tx = _SaveTransaction(target, comm, sum_kind)
+        tx.prepare(overwrite)
+        tx.write(state_dict)
+        return tx.commit(_on_commit)
 
 
 def async_save(
@@ -385,7 +386,8 @@ def async_save(
     group = process_group if process_group is not None else async_group()
     comm = Comm.of(group)
     sum_kind = _as_checksum(checksum)
-    state_dict, _ = to_state_dict(state, group)
+    with on_device(device_of(state)):
+        state_dict, _ = to_state_dict(state, group)
     staged = BlockingAsyncStager(cache_staged_state_dict=False, type_check=False).stage(state_dict)
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()  # the staged copies must be complete before we return
@@ -462,24 +464,25 @@ def load(
     wait_pending()
     source = _as_path(path)
     comm = Comm.of(process_group)
-    manifest = _open_checkpoint(source, comm, verify)
-    state_dict, ctx = to_state_dict(state, process_group, manifest, loading=True)
-    reader = FileSystemReader(source)
-    fit = fit_rank(local_shapes(state_dict), saved_shapes(reader.read_metadata()), list(state))
-    error = combine_fits(source, comm.all_gather(fit), strict)
-    if error is not None:
-        raise error
-    try:
-        if not comm.distributed:
-            _quiet_single_process()
-        dcp_load(
-            state_dict,
-            storage_reader=reader,
-            planner=DefaultLoadPlanner(allow_partial_load=not strict),
-            process_group=process_group,
-            no_dist=not comm.distributed,
-        )
-    except CheckpointException as e:
-        raise _dcp_failure(f"read {source}", e) from e
-    apply_loaded(state, state_dict, ctx)
-    return CheckpointInfo(source, manifest)
+    with on_device(device_of(state)):
+        manifest = _open_checkpoint(source, comm, verify)
+        state_dict, ctx = to_state_dict(state, process_group, manifest, loading=True)
+        reader = FileSystemReader(source)
+        fit = fit_rank(local_shapes(state_dict), saved_shapes(reader.read_metadata()), list(state))
+        error = combine_fits(source, comm.all_gather(fit), strict)
+        if error is not None:
+            raise error
+        try:
+            if not comm.distributed:
+                _quiet_single_process()
+            dcp_load(
+                state_dict,
+                storage_reader=reader,
+                planner=DefaultLoadPlanner(allow_partial_load=not strict),
+                process_group=process_group,
+                no_dist=not comm.distributed,
+            )
+        except CheckpointException as e:
+            raise _dcp_failure(f"read {source}", e) from e
+        apply_loaded(state, state_dict, ctx)
+        return CheckpointInfo(source, manifest)

@@ -14,18 +14,21 @@ loudly everywhere.
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import torch
 import torch.distributed as dist
+from torch import nn
 
 from ckpt._errors import CheckpointError
 
-__all__ = ["Comm", "async_group"]
+__all__ = ["Comm", "async_group", "device_of", "on_device"]
 
 T = TypeVar("T")
 
@@ -138,6 +141,36 @@ class _Failure:
             if isinstance(error, Exception):
                 return error
         return CheckpointError(f"rank 0 failed to {what}: {self.text}")
+
+
+def device_of(state: object) -> torch.device | None:
+    """The CUDA device of the first model or optimizer in ``state``; None if none is on CUDA.
+
+    A rank's object collectives (ours and torch.distributed.checkpoint's) put their
+    bytes on the *current* CUDA device; under torchrun without
+    ``torch.cuda.set_device`` that is cuda:0 on every rank, which NCCL refuses. The
+    model's own device is the one the rank was given (``device_id=``), so a save or
+    load runs with it current (see :func:`on_device`).
+    """
+    if not isinstance(state, Mapping):
+        return None  # to_state_dict names the problem
+    for value in state.values():
+        tensors: Iterator[torch.Tensor] = iter(())
+        if isinstance(value, nn.Module):
+            tensors = value.parameters()
+        elif isinstance(value, torch.optim.Optimizer):
+            tensors = (p for g in value.param_groups for p in g["params"])
+        for t in tensors:
+            if t.device.type == "cuda":
+                return t.device
+    return None
+
+
+def on_device(device: torch.device | None) -> contextlib.AbstractContextManager[Any]:
+    """``device`` current for the block when it is a CUDA device; a no-op otherwise."""
+    if device is not None and device.type == "cuda":
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
 
 
 # One dedicated gloo group per default group for asynchronous saves: their collectives

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from ckpt._comm import on_device
 from ckpt._fsdp_units import full_value
 from fsdp._common import clean_fqn
 from zero_optim import ZeroRedundancyOptimizer
@@ -90,15 +91,16 @@ def zero_optim_state_dict(
     state = mine
     if full:
         pg = zero.process_group
-        if rank0_only:
-            parts: list[Any] | None = [None] * zero.world_size if zero.rank == 0 else None
-            dist.gather_object(mine, parts, dst=dist.get_global_rank(pg, 0), group=pg)
-            if zero.rank != 0:
-                return {}
-            assert parts is not None
-        else:
-            parts = [None] * zero.world_size
-            dist.all_gather_object(parts, mine, group=pg)
+        with on_device(zero.join_device):  # the object collectives' bytes go there
+            if rank0_only:
+                parts: list[Any] | None = [None] * zero.world_size if zero.rank == 0 else None
+                dist.gather_object(mine, parts, dst=dist.get_global_rank(pg, 0), group=pg)
+                if zero.rank != 0:
+                    return {}
+                assert parts is not None
+            else:
+                parts = [None] * zero.world_size
+                dist.all_gather_object(parts, mine, group=pg)
         state = {k: v for part in parts for k, v in part.items()}
         order = [n for row in names for n in row]
         state = {n: state[n] for n in order if n in state}

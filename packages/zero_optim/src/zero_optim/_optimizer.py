@@ -451,7 +451,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         global_ids = owned_global_indices(self._partition, self.rank, group_lengths)
         local = self.optim.state_dict()["state"]
         mine = {global_ids[i]: cpu_copy(v) for i, v in local.items()}
-        gathered = gather_to(mine, to, self.rank, self.world_size, self.process_group)
+        gathered = gather_to(
+            mine, to, self.rank, self.world_size, self.process_group, device=self._default_device
+        )
         if self.rank == to:
             self._consolidated = {k: v for part in gathered for k, v in part.items()}
         else:
