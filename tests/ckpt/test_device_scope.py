@@ -22,6 +22,7 @@ from torch import nn
 
 import ckpt
 from ckpt import _checkpoint, _comm
+from tests.ranks import run_ranks
 from zero_optim import _collectives
 
 CUDA3 = torch.device("cuda", 3)
@@ -94,3 +95,21 @@ def test_zero_optim_object_device(monkeypatch: pytest.MonkeyPatch) -> None:
     assert _collectives._object_device(group, None) is None  # unknown: torch's choice
     monkeypatch.setattr(dist, "get_backend", lambda g: "cpu:gloo,cuda:nccl")
     assert _collectives._object_device(group, CUDA3) == torch.device("cpu")
+
+
+def _fsdp_device_of_rank() -> tuple[str | None, str | None]:
+    from fsdp import CPUOffload
+    from fsdp import FullyShardedDataParallel as FSDP  # noqa: N817
+
+    model = FSDP(nn.Linear(2, 2), cpu_offload=CPUOffload(offload_params=True))
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = _comm.device_of({"optim": optim, "model": model})
+    # The stub: a CPU-offloaded model that computes on cuda:3. Its parameters are on the
+    # CPU, so only its compute device tells where its collectives belong.
+    model.compute_device = CUDA3
+    after = _comm.device_of({"optim": optim, "model": model})
+    return None if before is None else str(before), None if after is None else str(after)
+
+
+def test_device_of_an_offloaded_fsdp_model_is_its_compute_device() -> None:
+    assert run_ranks(_fsdp_device_of_rank, 1) == [(None, "cuda:3")]

@@ -18,7 +18,7 @@ import contextlib
 import pickle
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ckpt._errors import CheckpointError
+from fsdp import FullyShardedDataParallel
 
 __all__ = ["Comm", "async_group", "device_of", "on_device"]
 
@@ -144,25 +145,30 @@ class _Failure:
 
 
 def device_of(state: object) -> torch.device | None:
-    """The CUDA device of the first model or optimizer in ``state``; None if none is on CUDA.
+    """The CUDA device ``state``'s models compute on; None if none is on CUDA.
 
     A rank's object collectives (ours and torch.distributed.checkpoint's) put their
     bytes on the *current* CUDA device; under torchrun without
     ``torch.cuda.set_device`` that is cuda:0 on every rank, which NCCL refuses. The
     model's own device is the one the rank was given (``device_id=``), so a save or
-    load runs with it current (see :func:`on_device`).
+    load runs with it current (see :func:`on_device`). An fsdp model's compute device
+    counts (its parameters may be on the CPU under ``CPUOffload``), then parameters of
+    models, then of optimizers.
     """
     if not isinstance(state, Mapping):
         return None  # to_state_dict names the problem
+    modules = [v for v in state.values() if isinstance(v, nn.Module)]
+    for module in modules:
+        for unit in FullyShardedDataParallel.fsdp_modules(module):
+            if unit.compute_device.type == "cuda":
+                return unit.compute_device
+    tensors: list[torch.Tensor] = [p for m in modules for p in m.parameters()]
     for value in state.values():
-        tensors: Iterator[torch.Tensor] = iter(())
-        if isinstance(value, nn.Module):
-            tensors = value.parameters()
-        elif isinstance(value, torch.optim.Optimizer):
-            tensors = (p for g in value.param_groups for p in g["params"])
-        for t in tensors:
-            if t.device.type == "cuda":
-                return t.device
+        if isinstance(value, torch.optim.Optimizer):
+            tensors += [p for g in value.param_groups for p in g["params"]]
+    for t in tensors:
+        if t.device.type == "cuda":
+            return t.device
     return None
 
 
