@@ -70,8 +70,9 @@ def compat(session: nox.Session) -> None:
 @nox.session
 def gpu(session: nox.Session) -> None:
     """tests/gpu on a machine with CUDA: NCCL at world size 1, gloo with CUDA tensors,
-    NCCL across GPUs when there are 2+. Install a CUDA torch with FSDP_TORCH_SPEC."""
-    _install_stack(session, *TEST_DEPS)
+    NCCL across GPUs when there are 2+, examples/train.py ours vs torch on CUDA. Install
+    a CUDA torch with FSDP_TORCH_SPEC."""
+    _install_stack(session, *TEST_DEPS, *EXAMPLE_DEPS)
     # All skipped is not a pass: without CUDA this session fails, with the fix.
     session.run(
         "python", "-c",
