@@ -1,7 +1,7 @@
 """NO_SHARD's gradient all-reduce when the post-backward hook fires twice in one backward.
 
-A module used twice, each time under reentrant activation checkpointing, gets
-its gradient in two inner backward passes: autograd accumulates into the flat
+A module used several times, each time under reentrant activation checkpointing, gets
+its gradient in several inner backward passes: autograd accumulates into the flat
 parameter's ``.grad`` and runs the post-accumulate hook once per pass. An
 aliased NO_SHARD unit all-reduced ``.grad`` in place, so the second pass
 accumulated into a tensor still being reduced (gloo reduces on its own thread,
@@ -21,6 +21,10 @@ from torch.utils.checkpoint import checkpoint
 
 from tests.ranks import run_ranks
 
+# Three uses: the third pass accumulates into the first pass's reduced gradient,
+# which the reduction queue (one in flight) has put back on the parameter by then.
+USES = 3
+
 
 class _UsedTwice(nn.Module):
     def __init__(self) -> None:
@@ -28,9 +32,9 @@ class _UsedTwice(nn.Module):
         self.lin = nn.Linear(4, 4)
 
     def forward(self, x: Tensor) -> Tensor:
-        y: Tensor = checkpoint(self.lin, x, use_reentrant=True)
-        out: Tensor = checkpoint(self.lin, torch.tanh(y), use_reentrant=True)
-        return out
+        for _ in range(USES):
+            x = torch.tanh(checkpoint(self.lin, x, use_reentrant=True))
+        return x
 
 
 def _batch(rank: int) -> Tensor:
@@ -74,7 +78,7 @@ def _rank(with_hook: bool) -> float:
         model(_batch(dist.get_rank() + 10 * step)).square().sum().backward()
         for r in range(world):
             plain(_batch(r + 10 * step)).square().sum().backward()
-    assert fired == 4, f"the hook fired {fired} times in 2 backwards, expected 2 each"
+    assert fired == 2 * USES, f"the hook fired {fired} times in 2 backwards, not {USES} each"
     want = {n: p.grad / world for n, p in plain.named_parameters()}
     diff = 0.0
     for name, p in model.named_parameters():

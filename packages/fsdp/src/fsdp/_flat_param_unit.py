@@ -418,7 +418,9 @@ class FlatParamUnit:
             # can fire this hook again in the same backward, and autograd must then
             # accumulate into a fresh ``.grad``, not into the tensor being all-reduced
             # (a race on the device, and a second all-reduce of the first sum).
-            # finish_reduce_grad puts it back (the same tensor) or adds it.
+            # finish_reduce_grad puts it back (the same tensor) or adds it. A later pass
+            # may accumulate into a result already put back: that part is the same
+            # average on every rank, which averaging again leaves as it is.
             self.flat_param.grad = None
             if comm_hook is not None:
                 comm_hook(comm_hook_state, grad)
