@@ -1,4 +1,4 @@
-"""Sessions for the monorepo: tests, compat, typecheck, lint, build, bench.
+"""Sessions for the monorepo: tests, compat, gpu, typecheck, lint, build, bench.
 
 torch is installed first in every session as ``torch==2.13.0`` (a CPU build that
 lies on local disk on our machines); set ``FSDP_TORCH_SPEC`` to install another
@@ -69,6 +69,22 @@ def compat(session: nox.Session) -> None:
     train, save, resume; losses against the uninterrupted run and torch's FSDP1."""
     _install_stack(session, *TEST_DEPS, *COMPAT_DEPS)
     session.run("pytest", "tests/compat", *session.posargs, env={"OMP_NUM_THREADS": "1"})
+
+
+@nox.session
+def gpu(session: nox.Session) -> None:
+    """tests/gpu on a machine with CUDA: NCCL at world size 1, gloo with CUDA tensors,
+    NCCL across GPUs when there are 2+, examples/train.py ours vs torch on CUDA. Install
+    a CUDA torch with FSDP_TORCH_SPEC."""
+    _install_stack(session, *TEST_DEPS, *EXAMPLE_DEPS)
+    # All skipped is not a pass: without CUDA this session fails, with the fix.
+    session.run(
+        "python", "-c",
+        "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'nox -s gpu: torch "
+        "sees no CUDA device; run it on a GPU machine with a CUDA build of torch, set "
+        "with FSDP_TORCH_SPEC (see the README)')",
+    )  # fmt: skip
+    session.run("pytest", "tests/gpu", "-rs", *session.posargs, env={"OMP_NUM_THREADS": "1"})
 
 
 @nox.session

@@ -70,7 +70,12 @@ class FsdpModuleAdapter:
         for instance in instances:  # a template: no gather needed, DCP overwrites it
             setattr(instance, TEMPLATE_ATTR, True)
         try:
-            with state_dict_type(obj, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig()):
+            # Saving: each unit's chunks go to the host as soon as they are made, so a
+            # rank's device holds at most one unit's chunks beyond the model, and chunks
+            # of CPUOffload shards never visit it (on gloo; NCCL's all-to-all stages one
+            # unit's shard there). A load's template stays on the compute device.
+            config = ShardedStateDictConfig(offload_to_cpu=not ctx.loading)
+            with state_dict_type(obj, StateDictType.SHARDED_STATE_DICT, config):
                 return obj.state_dict()
         finally:
             for instance in instances:
@@ -101,7 +106,9 @@ class FsdpOptimizerAdapter:
     def state_dict(self, obj: torch.optim.Optimizer, ctx: StateContext) -> dict[str, Any]:
         if ctx.loading:
             init_optim_state(obj)
-        return fsdp_optim_state_dict(ctx.module_for(obj), obj, sharded=True, offload_to_cpu=False)
+        return fsdp_optim_state_dict(
+            ctx.module_for(obj), obj, sharded=True, offload_to_cpu=not ctx.loading
+        )
 
     def load_state_dict(
         self, obj: torch.optim.Optimizer, state_dict: dict[str, Any], ctx: StateContext
@@ -118,7 +125,9 @@ class ZeroOptimizerAdapter:
     def state_dict(self, obj: ZeroRedundancyOptimizer, ctx: StateContext) -> dict[str, Any]:
         if ctx.loading:
             init_optim_state(obj)
-        return zero_optim_state_dict(ctx.module_for(obj), obj, full=False, offload_to_cpu=False)
+        return zero_optim_state_dict(
+            ctx.module_for(obj), obj, full=False, offload_to_cpu=not ctx.loading
+        )
 
     def load_state_dict(
         self, obj: ZeroRedundancyOptimizer, state_dict: dict[str, Any], ctx: StateContext

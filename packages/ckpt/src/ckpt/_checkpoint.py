@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from ckpt import _layout
 from ckpt._agreement import check_ranks_agree
 from ckpt._collective_failure import in_phase
-from ckpt._comm import Comm, async_group
+from ckpt._comm import Comm, async_group, device_of, on_device
 from ckpt._errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -436,12 +436,13 @@ def save(
     mac_key = _as_key(key)
     sum_kind = _as_checksum(checksum, mac_key)
     options = {"overwrite": overwrite, "checksum": sum_kind, "keyed": mac_key is not None}
-    check_ranks_agree("ckpt.save", comm, target, options)
-    state_dict, _ = to_state_dict(state, process_group)
-    tx = _SaveTransaction(target, comm, sum_kind, mac_key, state)
-    tx.prepare(overwrite)
-    tx.write(state_dict)
-    return tx.commit(_on_commit)
+    with on_device(device_of(state)):  # [Note: choosing the CUDA device] in fsdp
+        check_ranks_agree("ckpt.save", comm, target, options)
+        state_dict, _ = to_state_dict(state, process_group)
+        tx = _SaveTransaction(target, comm, sum_kind, mac_key, state)
+        tx.prepare(overwrite)
+        tx.write(state_dict)
+        return tx.commit(_on_commit)
 
 
 @in_phase("async save")
@@ -470,8 +471,9 @@ def async_save(
     mac_key = _as_key(key)
     sum_kind = _as_checksum(checksum, mac_key)
     options = {"overwrite": overwrite, "checksum": sum_kind, "keyed": mac_key is not None}
-    check_ranks_agree("ckpt.async_save", comm, target, options)
-    state_dict, _ = to_state_dict(state, group)
+    with on_device(device_of(state)):
+        check_ranks_agree("ckpt.async_save", comm, target, options)
+        state_dict, _ = to_state_dict(state, group)
     staged = BlockingAsyncStager(cache_staged_state_dict=False, type_check=False).stage(state_dict)
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()  # the staged copies must be complete before we return
@@ -585,41 +587,45 @@ def load(
     wait_pending()
     source = _as_path(path)
     comm = Comm.of(process_group)
-    check_ranks_agree(
-        "ckpt.load", comm, source, {"strict": strict, "verify": verify, "keyed": key is not None}
-    )
-    manifest = _open_checkpoint(source, comm, verify, _as_key(key))
-    state_dict, ctx = to_state_dict(state, process_group, manifest, loading=True)
-    reader = SafeFileSystemReader(source)
-    try:
-        metadata = reader.read_metadata()
-        dtypes = (local_dtypes(state_dict), saved_dtypes(metadata))
-        fit: RankFit | CheckpointError = fit_rank(
-            local_shapes(state_dict), saved_shapes(metadata), list(state), dtypes
+    with on_device(device_of(state)):
+        check_ranks_agree(
+            "ckpt.load",
+            comm,
+            source,
+            {"strict": strict, "verify": verify, "keyed": key is not None},
         )
-    except CheckpointError as e:
-        fit = e
-    fits = comm.all_gather(fit)
-    for rank_fit in fits:  # the same files on every rank: normally all or none fail
-        if isinstance(rank_fit, CheckpointError):
-            raise rank_fit
-    error = combine_fits(source, [f for f in fits if isinstance(f, RankFit)], strict)
-    if error is not None:
-        raise error
-    try:
-        if not comm.distributed:
-            _quiet_single_process()
-        dcp_load(
-            state_dict,
-            storage_reader=reader,
-            planner=SafeLoadPlanner(source, safe_globals, allow_partial_load=not strict),
-            process_group=process_group,
-            no_dist=not comm.distributed,
-        )
-    except CheckpointException as e:
-        for exc, _ in e.failures.values():
-            if isinstance(exc, UnsafeCheckpointError):
-                raise exc from None
-        raise _dcp_failure(f"read {source}", e) from e
-    apply_loaded(state, state_dict, ctx)
-    return CheckpointInfo(source, manifest)
+        manifest = _open_checkpoint(source, comm, verify, _as_key(key))
+        state_dict, ctx = to_state_dict(state, process_group, manifest, loading=True)
+        reader = SafeFileSystemReader(source)
+        try:
+            metadata = reader.read_metadata()
+            dtypes = (local_dtypes(state_dict), saved_dtypes(metadata))
+            fit: RankFit | CheckpointError = fit_rank(
+                local_shapes(state_dict), saved_shapes(metadata), list(state), dtypes
+            )
+        except CheckpointError as e:
+            fit = e
+        fits = comm.all_gather(fit)
+        for rank_fit in fits:  # the same files on every rank: normally all or none fail
+            if isinstance(rank_fit, CheckpointError):
+                raise rank_fit
+        error = combine_fits(source, [f for f in fits if isinstance(f, RankFit)], strict)
+        if error is not None:
+            raise error
+        try:
+            if not comm.distributed:
+                _quiet_single_process()
+            dcp_load(
+                state_dict,
+                storage_reader=reader,
+                planner=SafeLoadPlanner(source, safe_globals, allow_partial_load=not strict),
+                process_group=process_group,
+                no_dist=not comm.distributed,
+            )
+        except CheckpointException as e:
+            for exc, _ in e.failures.values():
+                if isinstance(exc, UnsafeCheckpointError):
+                    raise exc from None
+            raise _dcp_failure(f"read {source}", e) from e
+        apply_loaded(state, state_dict, ctx)
+        return CheckpointInfo(source, manifest)

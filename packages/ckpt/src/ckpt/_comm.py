@@ -14,19 +14,23 @@ loudly everywhere.
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import torch
 import torch.distributed as dist
+from torch import nn
 
 from ckpt._collective_failure import backend_failures
 from ckpt._errors import CheckpointError
+from fsdp import FullyShardedDataParallel
 
-__all__ = ["Comm", "async_group"]
+__all__ = ["Comm", "async_group", "device_of", "on_device"]
 
 T = TypeVar("T")
 
@@ -142,6 +146,41 @@ class _Failure:
             if isinstance(error, Exception):
                 return error
         return CheckpointError(f"rank 0 failed to {what}: {self.text}")
+
+
+def device_of(state: object) -> torch.device | None:
+    """The CUDA device ``state``'s models compute on; None if none is on CUDA.
+
+    A rank's object collectives (ours and torch.distributed.checkpoint's) put their
+    bytes on the *current* CUDA device; under torchrun without
+    ``torch.cuda.set_device`` that is cuda:0 on every rank, which NCCL refuses. The
+    model's own device is the one the rank was given (``device_id=``), so a save or
+    load runs with it current (see :func:`on_device`). An fsdp model's compute device
+    counts (its parameters may be on the CPU under ``CPUOffload``), then parameters of
+    models, then of optimizers.
+    """
+    if not isinstance(state, Mapping):
+        return None  # to_state_dict names the problem
+    modules = [v for v in state.values() if isinstance(v, nn.Module)]
+    for module in modules:
+        for unit in FullyShardedDataParallel.fsdp_modules(module):
+            if unit.compute_device.type == "cuda":
+                return unit.compute_device
+    tensors: list[torch.Tensor] = [p for m in modules for p in m.parameters()]
+    for value in state.values():
+        if isinstance(value, torch.optim.Optimizer):
+            tensors += [p for g in value.param_groups for p in g["params"]]
+    for t in tensors:
+        if t.device.type == "cuda":
+            return t.device
+    return None
+
+
+def on_device(device: torch.device | None) -> contextlib.AbstractContextManager[Any]:
+    """``device`` current for the block when it is a CUDA device; a no-op otherwise."""
+    if device is not None and device.type == "cuda":
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
 
 
 # One dedicated gloo group per default group for asynchronous saves: their collectives

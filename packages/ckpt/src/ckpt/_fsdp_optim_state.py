@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from ckpt._comm import device_of, on_device
 from ckpt._fsdp_units import (
     UnitView,
     chunk_dtensor,
@@ -522,7 +523,9 @@ def scatter_full_optim_state_dict(
     """
     _no_optim_input(optim_input)
     box = [full_optim_state_dict if dist.get_rank(group) == 0 else None]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group else 0, group=group)
+    src = dist.get_global_rank(group, 0) if group else 0
+    with on_device(device_of({"model": model})):  # the model's device, not the current one
+        dist.broadcast_object_list(box, src=src, group=group)
     if box[0] is None:
         raise ValueError("scatter_full_optim_state_dict: rank 0 passed no state dict")
     return shard_full_optim_state_dict(box[0], model, optim=optim)

@@ -28,7 +28,7 @@ from ckpt._checkpoint import (
     save,
     wait_pending,
 )
-from ckpt._comm import Comm
+from ckpt._comm import Comm, device_of, on_device
 from ckpt._errors import NotACheckpointError
 from ckpt._manifest import Checksum
 
@@ -162,7 +162,7 @@ class CheckpointManager:
         Keyword arguments go to ``ckpt.load`` (``strict``, ``verify``). Raises
         ``NotACheckpointError`` when there is no committed checkpoint to load.
         """
-        chosen = self._choose(step)
+        chosen = self._choose(step, state)
         if chosen is None:
             raise NotACheckpointError(self.root, "it holds no committed step_<N> checkpoint yet")
         kwargs.setdefault("key", self.key)
@@ -174,15 +174,18 @@ class CheckpointManager:
 
         The resume idiom: ``start = manager.load_latest(state) or 0``.
         """
-        chosen = self._choose(None)
+        chosen = self._choose(None, state)
         if chosen is None:
             return None
         kwargs.setdefault("key", self.key)
         load(state, self.path(chosen), process_group=self.process_group, **kwargs)
         return chosen
 
-    def _choose(self, step: int | None) -> int | None:
-        """Rank 0 picks the step (all ranks must load the same one); reports leftovers."""
+    def _choose(self, step: int | None, state: Mapping[str, Any]) -> int | None:
+        """Rank 0 picks the step (all ranks must load the same one); reports leftovers.
+
+        The decision travels on the device of ``state``'s model, as in ``load``.
+        """
         wait_pending()
         comm = Comm.of(self.process_group)
 
@@ -199,7 +202,8 @@ class CheckpointManager:
                 return step
             return self.latest()
 
-        return comm.run_on_coordinator(f"choose a checkpoint in {self.root}", pick)
+        with on_device(device_of(state)):
+            return comm.run_on_coordinator(f"choose a checkpoint in {self.root}", pick)
 
     def __repr__(self) -> str:
         return f"CheckpointManager({str(self.root)!r}, keep_last={self.keep_last})"

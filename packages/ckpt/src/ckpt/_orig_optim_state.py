@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ckpt._comm import on_device
 from ckpt._fsdp_units import UnitView, chunk_dtensor, full_value, gather_flat, to_dtensor
 from ckpt._unit_exchange import shard_to_chunks
 
@@ -123,7 +124,8 @@ def _merged_descriptions(
     if unit.config.shard:
         group = unit.config.group
         parts = [None] * dist.get_world_size(group)
-        dist.all_gather_object(parts, mine, group=group)
+        with on_device(unit.config.compute_device):  # not the current device
+            dist.all_gather_object(parts, mine, group=group)
     # Merged in rank order, so that keys (and so the gathers) are in the same order on
     # every rank.
     merged: dict[int, dict[str, _Desc]] = {}

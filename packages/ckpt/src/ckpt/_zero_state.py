@@ -62,6 +62,32 @@ def _copy(value: Any, device: torch.device | None) -> Any:
     return copy.deepcopy(value)
 
 
+def _parts_one_owner_at_a_time(
+    zero: ZeroRedundancyOptimizer, mine: dict[str, Any], rank0_only: bool
+) -> list[dict[str, Any]] | None:
+    """Every rank's ``mine`` in rank order, on rank 0 (``rank0_only``) or on every rank.
+
+    One owner's part travels at a time (to rank 0, or broadcast from the owner), so a
+    receiver's device holds one part in transit, never all ``world_size`` at once as
+    with ``gather_object``; the bytes travel on the optimizer's device under NCCL (not
+    the current device), on the CPU otherwise. Returns None on ranks that receive nothing.
+    """
+    pg, rank = zero.process_group, zero.rank
+    nccl = str(dist.get_backend(pg)) == "nccl"
+    via = zero.join_device if nccl else torch.device("cpu")
+    parts: list[dict[str, Any]] = []
+    for owner in range(zero.world_size):
+        box: list[Any] = [mine if rank == owner else None]
+        if not rank0_only:
+            dist.broadcast_object_list(box, group=pg, group_src=owner, device=via)
+        elif owner != 0 and rank == owner:
+            dist.send_object_list(box, group=pg, group_dst=0, device=via)
+        elif owner != 0 and rank == 0:
+            dist.recv_object_list(box, group=pg, group_src=owner, device=via)
+        parts.append(box[0])
+    return parts if (rank == 0 or not rank0_only) else None
+
+
 def zero_optim_state_dict(
     model: nn.Module,
     zero: ZeroRedundancyOptimizer,
@@ -89,16 +115,9 @@ def zero_optim_state_dict(
             mine[by_id[id(p)]] = {k: _copy(v, device) for k, v in st.items()}
     state = mine
     if full:
-        pg = zero.process_group
-        if rank0_only:
-            parts: list[Any] | None = [None] * zero.world_size if zero.rank == 0 else None
-            dist.gather_object(mine, parts, dst=dist.get_global_rank(pg, 0), group=pg)
-            if zero.rank != 0:
-                return {}
-            assert parts is not None
-        else:
-            parts = [None] * zero.world_size
-            dist.all_gather_object(parts, mine, group=pg)
+        parts = _parts_one_owner_at_a_time(zero, mine, rank0_only)
+        if parts is None:
+            return {}
         state = {k: v for part in parts for k, v in part.items()}
         order = [n for row in names for n in row]
         state = {n: state[n] for n in order if n in state}

@@ -453,16 +453,22 @@ class FlatParamUnit:
         pre, post = self._divide
         if self.aliased:
             grad = self.flat_param.grad
-            if grad is None:
+            if grad is None or (cfg.world_size == 1 and comm_hook is None):
                 return None
+            # Off the parameter while it is reduced: reentrant activation checkpointing
+            # can fire this hook again in the same backward, and autograd must then
+            # accumulate into a fresh ``.grad``, not into the tensor being all-reduced
+            # (a race on the device, and a second all-reduce of the first sum).
+            # finish_reduce_grad puts it back (the same tensor) or adds it. A later pass
+            # may accumulate into a result already put back: that part is the same
+            # average on every rank, which averaging again leaves as it is.
+            self.flat_param.grad = None
             if comm_hook is not None:
                 comm_hook(comm_hook_state, grad)
-                return PendingReduce(self, PendingCollective(None), grad, 1.0, in_place=True)
-            if cfg.world_size == 1:
-                return None
+                return PendingReduce(self, PendingCollective(None), grad, 1.0, in_place=False)
             _div_(grad, pre)
             pending = all_reduce_inplace(grad, cfg.group, cfg.world_size)
-            return PendingReduce(self, pending, grad, post, in_place=True)
+            return PendingReduce(self, pending, grad, post, in_place=False)
         grad = self._compute_param.grad
         if grad is None:
             return None

@@ -21,6 +21,7 @@ from torch import nn
 from flatparam import ParamInfo, SharedParamInfo
 from fsdp._common import clean_fqn
 from fsdp._deferred_init import IGNORED, TIED, broadcast_module_states
+from fsdp._device import default_cuda_device
 from fsdp._flat_param_unit import FlatParamUnit, UnitConfig
 from fsdp._process_groups import ProcessGroups
 from fsdp.api import CPUOffload, MixedPrecision, ShardingStrategy
@@ -134,14 +135,15 @@ def resolve_compute_device(
     """Where forward and backward run.
 
     ``device_id`` wins (see :func:`normalize_device_id`); else the device the
-    parameters are on, where a CPU module moves to the current CUDA device if
-    there is one, as torch's FSDP does; CPU otherwise.
+    parameters are on, where a CPU module moves to CUDA if there is CUDA, as
+    torch's FSDP does; CPU otherwise. A CUDA device without an index is
+    :func:`~fsdp._device.default_cuda_device` (``LOCAL_RANK`` under torchrun).
     """
     if device_id is not None:
         device = normalize_device_id(device_id)
         assert device is not None
         if device.type == "cuda" and getattr(device, "index", None) is None:
-            return torch.device("cuda", torch.cuda.current_device())
+            return default_cuda_device()
         return device
     tensors = [*params, *buffers]
     if any(t.is_meta for t in tensors):  # materialize_unit ran before: a module hid them
@@ -157,7 +159,7 @@ def resolve_compute_device(
         )
     device = devices.pop() if devices else torch.device("cpu")
     if device.type == "cpu" and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
+        return default_cuda_device()
     return device
 
 

@@ -55,6 +55,7 @@ class RateLimiter:
 
     def __init__(self, device: torch.device, enabled: bool, max_in_flight: int = 2) -> None:
         self._module: Any = None  # torch.cuda (or another accelerator module) or None
+        self._device = device  # the unit's device: its stream, not the current device's
         if enabled and device.type != "cpu":
             self._module = torch.get_device_module(device)
         self._max = max_in_flight
@@ -64,7 +65,7 @@ class RateLimiter:
         """A unit just freed its gathered parameters (in stream order)."""
         if self._module is not None:
             event = self._module.Event()
-            event.record()
+            event.record(self._module.current_stream(self._device))
             self._events.append(event)
 
     def throttle(self) -> None:

@@ -34,16 +34,45 @@ def pack(tensors: Sequence[Tensor]) -> Tensor:
 
 
 def gather_to(
-    obj: Any, dst: int, rank: int, world_size: int, group: dist.ProcessGroup
+    obj: Any,
+    dst: int,
+    rank: int,
+    world_size: int,
+    group: dist.ProcessGroup,
+    *,
+    device: torch.device | None = None,
 ) -> list[Any]:
-    """Gather one picklable object per rank on group rank ``dst``.
+    """Gather one picklable object per rank on group rank ``dst``, one owner at a time.
 
     Returns the objects in rank order on ``dst`` and ``[]`` elsewhere. Tensors
-    inside ``obj`` should already be on the CPU: they are pickled.
+    inside ``obj`` should already be on the CPU: they are pickled. Each rank
+    sends its object to ``dst`` in turn (rank order), so ``dst`` has one
+    owner's bytes in flight at a time (on ``device`` for NCCL) instead of all
+    ``world_size`` at once as with ``gather_object``, which near the GPU memory
+    limit is the difference between a checkpoint and an out-of-memory error.
+    ``device`` is the optimizer's parameters' device, not the current device.
     """
-    out: list[Any] | None = [None] * world_size if rank == dst else None
-    dist.gather_object(obj, out, dst=dist.get_global_rank(group, dst), group=group)
-    return out if out is not None else []
+    via = _object_device(group, device)
+    out: list[Any] = []
+    for src in range(world_size):
+        if src == dst:
+            if rank == dst:
+                out.append(obj)
+        elif rank == src:
+            dist.send_object_list([obj], group=group, group_dst=dst, device=via)
+        elif rank == dst:
+            box: list[Any] = [None]
+            dist.recv_object_list(box, group=group, group_src=src, device=via)
+            out.append(box[0])
+    return out if rank == dst else []
+
+
+def _object_device(group: dist.ProcessGroup, device: torch.device | None) -> torch.device | None:
+    """Where an object collective's bytes travel: the CPU unless the group is NCCL alone,
+    then ``device`` (the parameters' GPU; None leaves torch's choice, the current one)."""
+    if str(dist.get_backend(group)) != "nccl":
+        return torch.device("cpu")
+    return device if device is not None and device.type == "cuda" else None
 
 
 def send_grads_to_joined(

@@ -477,7 +477,14 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         local = self.optim.state_dict()["state"]
         mine = {global_ids[i]: cpu_copy(v) for i, v in local.items()}
         with self._failures("gather", "the optimizer state", "consolidate_state_dict"):
-            gathered = gather_to(mine, to, self.rank, self.world_size, self.process_group)
+            gathered = gather_to(
+                mine,
+                to,
+                self.rank,
+                self.world_size,
+                self.process_group,
+                device=self._default_device,
+            )
         if self.rank == to:
             self._consolidated = {k: v for part in gathered for k, v in part.items()}
         else:
