@@ -12,7 +12,7 @@ from flatparam._flat_param import (
     ShardMetadata,
     SharedParamInfo,
 )
-from flatparam._rank_errors import CollectiveError, RankDisagreementError
+from flatparam._rank_errors import CollectiveError, RankDisagreementError, named_backend_failures
 from flatparam._shard import (
     ShardLayout,
     ShardPiece,
@@ -41,6 +41,7 @@ __all__ = [
     "__version__",
     "align_numel_for",
     "check_fingerprints_agree",
+    "named_backend_failures",
     "pad_flat",
     "shard_flat",
     "unpad_flat",

@@ -10,12 +10,14 @@ The agreement step that raises :class:`RankDisagreementError` is in ``_agreement
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 
 __all__ = [
     "CollectiveError",
     "RankDisagreementError",
     "disagreement_message",
+    "named_backend_failures",
 ]
 
 # How many differing fields a message lists before it says "and N more".
@@ -149,3 +151,23 @@ def disagreement_message(
         lines.append(f"  ... and {len(items) - _MAX_FIELDS} more")
     lines.append("Fix: " + " ".join(used_fixes))
     return "\n".join(lines), fields
+
+
+@contextmanager
+def named_backend_failures(
+    rank: int, operation: str, target: str, phase: str = ""
+) -> Iterator[None]:
+    """Re-raise a backend ``RuntimeError`` inside the block as a :class:`CollectiveError`.
+
+    The one translation every package's collectives go through, so a timeout or a
+    dead peer reads the same whichever package met it. An error already named
+    passes through unchanged.
+    """
+    try:
+        yield
+    except CollectiveError:
+        raise
+    except RuntimeError as e:  # torch's DistError/DistBackendError derive from it
+        raise CollectiveError.from_backend(
+            e, rank=rank, operation=operation, target=target, phase=phase
+        ) from e

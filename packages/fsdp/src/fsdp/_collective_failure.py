@@ -15,13 +15,13 @@ does, chained to the backend's error. Two levels fill it in:
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any, TypeVar, cast
 
 import torch.distributed as dist
 
-from flatparam import CollectiveError
+from flatparam import CollectiveError, named_backend_failures
 from fsdp._common import clean_fqn
 
 __all__ = ["backend_failures", "in_phase"]
@@ -33,17 +33,9 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-@contextmanager
-def backend_failures(operation: str, target: str) -> Iterator[None]:
+def backend_failures(operation: str, target: str) -> AbstractContextManager[None]:
     """Turn a backend ``RuntimeError`` inside the block into a :class:`CollectiveError`."""
-    try:
-        yield
-    except CollectiveError:
-        raise
-    except RuntimeError as e:  # torch's DistError/DistBackendError derive from it
-        raise CollectiveError.from_backend(
-            e, rank=_rank(), operation=operation, target=target, phase=""
-        ) from e
+    return named_backend_failures(_rank(), operation, target)
 
 
 def in_phase(phase: str) -> Callable[[_F], _F]:

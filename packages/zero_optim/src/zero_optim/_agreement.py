@@ -19,8 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from flatparam import check_fingerprints_agree
-from zero_optim._collective_failure import collective_failures
+from flatparam import check_fingerprints_agree, named_backend_failures
 
 __all__ = ["check_ranks_agree", "zero_fingerprint"]
 
@@ -78,5 +77,5 @@ def check_ranks_agree(
 
 def _all_to_all(output: Tensor, input: Tensor, *, group: Any, rank: int) -> None:
     what = "the ZeroRedundancyOptimizer agreement step"
-    with collective_failures(rank, "all_to_all", what, "construction"):
+    with named_backend_failures(rank, "all_to_all", what, "construction"):
         dist.all_to_all_single(output, input, group=group)

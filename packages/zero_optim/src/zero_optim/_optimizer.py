@@ -43,10 +43,10 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.futures import Future
 from torch.optim import Optimizer
 
+from flatparam import named_backend_failures
 from zero_optim._agreement import check_ranks_agree, zero_fingerprint
 from zero_optim._broadcast import ShardBroadcaster
 from zero_optim._buckets import ParamBuckets
-from zero_optim._collective_failure import collective_failures
 from zero_optim._collectives import gather_to, send_grads_to_joined
 from zero_optim._overlap import BackwardPhase, HookKind, OverlapState, reduced_gradients
 from zero_optim._owner_reduce import reduce_to_owners
@@ -212,7 +212,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def _failures(self, operation: str, target: str, phase: str) -> AbstractContextManager[None]:
         """Name a backend failure of the collectives inside (rank, what, phase)."""
-        return collective_failures(self.rank, operation, target, phase)
+        return named_backend_failures(self.rank, operation, target, phase)
 
     def _begin_local_step(self) -> None:
         trainable = self._trainable_mask()
