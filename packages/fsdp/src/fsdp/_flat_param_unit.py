@@ -164,7 +164,6 @@ class PendingReduce:
     collective: PendingCollective
     output: Tensor  # 1D: the reduced gradient (sharded, or full for NO_SHARD), reduce dtype
     postdivide: float  # divide ``output`` by this after the collective (1.0: nothing)
-    in_place: bool  # ``output`` is ``flat_param.grad`` itself (aliased NO_SHARD)
     replicate_group: Any = None  # the all-reduce still to issue after ``collective``
 
     @property
@@ -465,10 +464,10 @@ class FlatParamUnit:
             self.flat_param.grad = None
             if comm_hook is not None:
                 comm_hook(comm_hook_state, grad)
-                return PendingReduce(self, PendingCollective(None), grad, 1.0, in_place=False)
+                return PendingReduce(self, PendingCollective(None), grad, 1.0)
             _div_(grad, pre)
             pending = all_reduce_inplace(grad, cfg.group, cfg.world_size)
-            return PendingReduce(self, pending, grad, post, in_place=False)
+            return PendingReduce(self, pending, grad, post)
         grad = self._compute_param.grad
         if grad is None:
             return None
@@ -478,20 +477,20 @@ class FlatParamUnit:
         if not cfg.shard:
             if comm_hook is not None:
                 comm_hook(comm_hook_state, grad)
-                return PendingReduce(self, PendingCollective(None), grad, 1.0, in_place=False)
+                return PendingReduce(self, PendingCollective(None), grad, 1.0)
             if cfg.world_size == 1:
-                return PendingReduce(self, PendingCollective(None), grad, 1.0, in_place=False)
+                return PendingReduce(self, PendingCollective(None), grad, 1.0)
             _div_(grad, pre)
             pending = all_reduce_inplace(grad, cfg.group, cfg.world_size)
-            return PendingReduce(self, pending, grad, post, in_place=False)
+            return PendingReduce(self, pending, grad, post)
         padded = grad if self.layout.padded_numel == grad.numel() else pad_flat(grad, self.layout)
         output = torch.empty(self.layout.shard_numel, dtype=padded.dtype, device=padded.device)
         if comm_hook is not None:
             comm_hook(comm_hook_state, padded, output)
-            return PendingReduce(self, PendingCollective(None), output, 1.0, in_place=False)
+            return PendingReduce(self, PendingCollective(None), output, 1.0)
         _div_(padded, pre)
         pending = reduce_scatter_into(output, padded, cfg.group)
-        return PendingReduce(self, pending, output, post, False, cfg.replicate_group)
+        return PendingReduce(self, pending, output, post, cfg.replicate_group)
 
     def start_replica_reduce(self, reduce: PendingReduce) -> None:
         """Hybrid sharding: wait for the reduce-scatter, issue the all-reduce across replicas.
@@ -519,8 +518,6 @@ class FlatParamUnit:
         reduce.collective.wait()
         out = reduce.output
         _div_(out, reduce.postdivide)
-        if reduce.in_place:
-            return
         flat = self.flat_param
         if out.dtype != self.orig_dtype and not self.config.keep_low_precision_grads:
             out = out.to(self.orig_dtype)
