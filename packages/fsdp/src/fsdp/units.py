@@ -97,7 +97,7 @@ class UnitSharding:
     group: Any  # dist.ProcessGroup of the unit's collectives
     rank: int  # this rank in ``group``
     world_size: int  # ranks in ``group``
-    strategy: ShardingStrategy  # the FSDP instance's sharding strategy
+    strategy: ShardingStrategy  # the FSDP instance's sharding strategy (NO_SHARD on one rank)
     device: torch.device  # the compute device: where forward runs and collectives happen
 
 
