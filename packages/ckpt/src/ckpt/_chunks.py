@@ -2,7 +2,8 @@
 
 ckpt's SHARDED model and optimizer state dicts hold every original parameter of an
 fsdp unit as this rank's dimension-0 chunk, a ``DTensor``; this module is that
-format: the chunk bounds (``chunk_bounds``), a full tensor to this rank's chunk
+format: the chunk bounds (``chunk_bounds``, ``chunk_shape``, and ``chunk_intervals``
+where each chunk lies in its unit's flat tensor), a full tensor to this rank's chunk
 (``to_dtensor``), a chunk to a DTensor (``chunk_dtensor``, over ``mesh_for`` the
 unit's group), the test whether a loaded DTensor is chunked that way
 (``is_chunked_like_ours``) and any value back to a full tensor (``full_value``).
@@ -24,6 +25,7 @@ between them and load at any world size; DCP reshards by row offsets on load.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -32,9 +34,14 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from fsdp.units import UnitParam
+
 __all__ = [
+    "Interval",
     "chunk_bounds",
     "chunk_dtensor",
+    "chunk_intervals",
+    "chunk_shape",
     "full_value",
     "is_chunked_like_ours",
     "mesh_for",
@@ -51,6 +58,37 @@ def chunk_bounds(dim0: int, world_size: int, rank: int) -> tuple[int, int]:
     size = math.ceil(dim0 / world_size) if dim0 else 0
     start = min(rank * size, dim0)
     return start, min(start + size, dim0)
+
+
+Interval = tuple[int, int]  # [start, end) in the unpadded flat tensor
+
+
+def chunk_shape(shape: torch.Size, world_size: int, rank: int) -> torch.Size:
+    """Shape of ``rank``'s ``Shard(0)`` chunk of a tensor of ``shape`` (0-dim: itself)."""
+    if len(shape) == 0:
+        return shape
+    start, end = chunk_bounds(shape[0], world_size, rank)
+    return torch.Size((end - start, *shape[1:]))
+
+
+def chunk_intervals(
+    entries: Sequence[UnitParam], world_size: int, rank: int, scalars_everywhere: bool
+) -> list[Interval]:
+    """``rank``'s chunk of each parameter as an interval of its unit's flat tensor, in
+    parameter order (a chunk is a run of whole rows, so it is contiguous there).
+
+    A 0-dim parameter is replicated, not chunked: every rank needs it when chunks are
+    made (``scalars_everywhere``), and only rank 0 supplies it when a shard is rebuilt.
+    """
+    out: list[Interval] = []
+    for e in entries:
+        if len(e.shape) == 0:
+            out.append((e.start, e.end) if scalars_everywhere or rank == 0 else (e.end, e.end))
+            continue
+        row = math.prod(e.shape[1:])
+        start, end = chunk_bounds(e.shape[0], world_size, rank)
+        out.append((e.start + start * row, e.start + end * row))
+    return out
 
 
 _meshes: dict[tuple[int, str], DeviceMesh] = {}

@@ -77,17 +77,14 @@ class LocalPiece:
 
 def local_pieces(unit: FlatUnit) -> dict[int, LocalPiece]:
     """Parameter index -> this rank's non-empty piece of it (absent when empty)."""
-    if not unit.sharded:
-        return {
-            i: LocalPiece(e.start, 0, e.numel, e.shape)
-            for i, e in enumerate(unit.params)
-            if e.numel > 0
-        }
     return {
-        piece.param_index: LocalPiece(
-            piece.shard_offset, piece.param_start, piece.numel, torch.Size([piece.numel])
+        p.param_index: LocalPiece(
+            p.shard_offset,
+            p.param_start,
+            p.numel,
+            torch.Size([p.numel]) if unit.sharded else unit.params[p.param_index].shape,
         )
-        for piece in unit.local_pieces()
+        for p in unit.local_pieces()
     }
 
 

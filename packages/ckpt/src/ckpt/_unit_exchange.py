@@ -26,7 +26,6 @@ receives, concatenated in source-rank order, are its chunks in parameter order.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,39 +33,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ckpt._chunks import chunk_bounds
-from fsdp.units import FlatUnit, UnitParam
+from ckpt._chunks import Interval, chunk_intervals, chunk_shape
+from fsdp.units import FlatUnit
 
-__all__ = ["chunk_shape", "chunks_to_shard", "gather_params_on_rank0", "shard_to_chunks"]
-
-Interval = tuple[int, int]  # [start, end) in the unpadded flat tensor
-
-
-def chunk_shape(shape: torch.Size, world_size: int, rank: int) -> torch.Size:
-    """Shape of ``rank``'s ``Shard(0)`` chunk of a tensor of ``shape`` (0-dim: itself)."""
-    if len(shape) == 0:
-        return shape
-    start, end = chunk_bounds(shape[0], world_size, rank)
-    return torch.Size((end - start, *shape[1:]))
-
-
-def _chunk_intervals(
-    entries: Sequence[UnitParam], world_size: int, rank: int, scalars_everywhere: bool
-) -> list[Interval]:
-    """``rank``'s chunk of each entry as a flat interval, in parameter order.
-
-    A 0-dim parameter is replicated, not chunked: every rank needs it when chunks are
-    made (``scalars_everywhere``), and only rank 0 supplies it when a shard is rebuilt.
-    """
-    out: list[Interval] = []
-    for e in entries:
-        if len(e.shape) == 0:
-            out.append((e.start, e.end) if scalars_everywhere or rank == 0 else (e.end, e.end))
-            continue
-        row = math.prod(e.shape[1:])
-        start, end = chunk_bounds(e.shape[0], world_size, rank)
-        out.append((e.start + start * row, e.start + end * row))
-    return out
+__all__ = ["chunks_to_shard", "gather_params_on_rank0", "shard_to_chunks"]
 
 
 def _overlaps(wanted: Sequence[Interval], lo: int, hi: int) -> list[tuple[int, int, int]]:
@@ -117,11 +87,11 @@ def shard_to_chunks(unit: FlatUnit, shard: Tensor, device: torch.device) -> list
     """
     cfg, size, entries = unit.sharding, unit.layout.shard_numel, unit.params
     src = shard.detach().to(_comm_device(cfg.group, cfg.device))
-    mine = _chunk_intervals(entries, cfg.world_size, cfg.rank, scalars_everywhere=True)
+    mine = chunk_intervals(entries, cfg.world_size, cfg.rank, scalars_everywhere=True)
     lo, hi = cfg.rank * size, (cfg.rank + 1) * size
     sends = []
     for dst in range(cfg.world_size):
-        wanted = _chunk_intervals(entries, cfg.world_size, dst, scalars_everywhere=True)
+        wanted = chunk_intervals(entries, cfg.world_size, dst, scalars_everywhere=True)
         sends.append(_cat([src[o : o + n] for _, o, n in _overlaps(wanted, lo, hi)], src))
     recv = [
         sum(n for *_, n in _overlaps(mine, s * size, (s + 1) * size)) for s in range(cfg.world_size)
@@ -152,7 +122,7 @@ def chunks_to_shard(
     cfg, size, entries = unit.sharding, unit.layout.shard_numel, unit.params
     dtype = dtype or unit.flat_param.dtype
     device = _comm_device(cfg.group, cfg.device)
-    mine = _chunk_intervals(entries, cfg.world_size, cfg.rank, scalars_everywhere=False)
+    mine = chunk_intervals(entries, cfg.world_size, cfg.rank, scalars_everywhere=False)
     local = _cat(
         [
             c.detach().reshape(-1)[: end - start].to(device, dtype)
@@ -166,7 +136,7 @@ def chunks_to_shard(
     ]
     lo, hi = cfg.rank * size, (cfg.rank + 1) * size
     theirs = [
-        _overlaps(_chunk_intervals(entries, cfg.world_size, s, False), lo, hi)
+        _overlaps(chunk_intervals(entries, cfg.world_size, s, False), lo, hi)
         for s in range(cfg.world_size)
     ]
     packed = _all_to_all(sends, [sum(n for *_, n in parts) for parts in theirs], cfg.group, local)
