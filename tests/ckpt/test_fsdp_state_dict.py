@@ -67,7 +67,7 @@ def _check_form(name: str, sd_type: StateDictType, sd: dict[str, Any], rank0_onl
     """The documented form of each type."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    from ckpt._fsdp_units import chunk_bounds
+    from ckpt._chunks import chunk_bounds
 
     reference = make_net().state_dict()
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -214,3 +214,34 @@ def test_pretrained_peak_per_rank(tmp_path: Path) -> None:
             bound = r["shard_bytes"] + 2 * r["largest_read"] + 6 * mib
             assert r["load_peak_growth"] <= bound, lines[-1]
     print("\n".join(lines))
+
+
+def _rank_load_frozen(path: str, orig: bool) -> dict[str, torch.Tensor]:
+    """A LoRA-like model: units that mix frozen and trainable parameters keep the frozen
+    ones in a frozen part (fsdp's [Note: frozen part]), which must be filled too."""
+    import fsdp
+    from fsdp.wrap import ModuleWrapPolicy
+    from tests.fsdp._common import Block, make_net
+
+    net = make_net(1)  # other values than the file's
+    for name, p in net.named_parameters():
+        p.requires_grad_(name not in {"blocks.1.fc1.weight", "ln_f.weight", "emb.weight"})
+    model = fsdp.FullyShardedDataParallel(
+        net, auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=orig
+    )
+    ckpt.load_pretrained(model, path)
+    return full_params(model)
+
+
+@pytest.mark.parametrize("orig", [False, True])
+def test_pretrained_fills_frozen_parts(tmp_path: Path, orig: bool) -> None:
+    from safetensors.torch import save_file
+
+    from tests.fsdp._common import make_net
+
+    reference = make_net(0).state_dict()
+    save_file(dict(reference), tmp_path / "model.safetensors")
+    for params in run_ranks(_rank_load_frozen, 2, str(tmp_path / "model.safetensors"), orig):
+        assert params.keys() == {k for k in reference if k != "scale"}
+        for key, value in params.items():
+            assert torch.equal(value, reference[key]), key

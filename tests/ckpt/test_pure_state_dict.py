@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import ckpt
-from ckpt._fsdp_units import chunk_bounds
+from ckpt._chunks import chunk_bounds
 
 _ROOT = Path(__file__).resolve().parents[2]
 

@@ -17,7 +17,7 @@ between forward passes). The post-hook replaces that key:
   ``rank0_only`` the other ranks send their shards to rank 0, which copies them into
   the parameters it returns: no rank holds a unit unsharded besides that result.
 * SHARDED: each parameter's dimension-0 chunk as a DTensor (see [Note: SHARDED is
-  chunked per original parameter] in ``_fsdp_units.py``), moved straight from the
+  chunked per original parameter] in ``_chunks.py``), moved straight from the
   flat shards to the chunks by one all-to-all (see [Note: a unit's bytes move once]
   in ``_unit_exchange.py``): no rank holds the unit unsharded.
 * LOCAL: the shard itself (padding included) as a ``DTensor`` of the padded flat
@@ -31,6 +31,11 @@ parameter; or from the local shard) and puts it under
 its usual shape check. Missing keys are reported through ``missing_keys`` and shape
 mismatches through ``error_msgs``, so ``load_state_dict(strict=True)`` lists them
 the way it does for any module.
+
+Everything these hooks know about the instance (its flat units, their layout and
+group, where its wrapped module's keys are, the buffers' original dtypes, the
+training-state check) comes from fsdp's public :mod:`fsdp.units`; what they may rely
+on while fsdp hands a state dict over is [Note: state-dict hand-over] there.
 """
 
 from __future__ import annotations
@@ -42,26 +47,20 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Shard
 
+from ckpt._chunks import chunk_dtensor, full_value, is_chunked_like_ours, mesh_for, to_dtensor
 from ckpt._errors import CheckpointError
-from ckpt._fsdp_units import (
-    UnitView,
-    chunk_dtensor,
-    full_value,
-    gather_flat,
-    inner_key,
-    is_chunked_like_ours,
-    mesh_for,
-    param_entries,
-    to_dtensor,
-)
 from ckpt._loadable import loadable
 from ckpt._unit_exchange import chunks_to_shard, gather_params_on_rank0, shard_to_chunks
 from flatparam import shard_flat
-from fsdp._common import FLAT_PARAM, FROZEN_FLAT_PARAM, TrainingState
-from fsdp._flat_param_unit import FlatParamUnit
-from fsdp._fsdp_state import FSDPState, get_fsdp_state
-from fsdp._state_dict import buffer_orig_dtypes_by_key
 from fsdp.api import StateDictConfig, StateDictType
+from fsdp.units import (
+    FlatUnit,
+    assert_idle,
+    buffer_orig_dtypes,
+    gather_flat,
+    instance_flat_units,
+    wrapped_prefix,
+)
 
 __all__ = [
     "TEMPLATE_ATTR",
@@ -86,29 +85,8 @@ class LocalShardMismatchError(CheckpointError, ValueError):
     """
 
 
-def _state(module: nn.Module) -> FSDPState:
-    state = get_fsdp_state(module)
-    assert state is not None, "ckpt's state-dict hooks run only on FSDP instances"
-    return state
-
-
 def _settings(module: nn.Module) -> tuple[StateDictType, StateDictConfig]:
     return module._state_dict_type, module._state_dict_config  # type: ignore[return-value]
-
-
-def _unit_views(state: FSDPState, prefix: str) -> list[tuple[UnitView, str]]:
-    """Each part of the instance's unit with the key of its FlatParameter.
-
-    A unit's frozen part (fsdp's [Note: frozen part]) has its own FlatParameter,
-    under ``<prefix>_flat_param_frozen``; only LOCAL state dicts show that key.
-    """
-    if state.unit is None:
-        return []
-    keys = (prefix + FLAT_PARAM, prefix + FROZEN_FLAT_PARAM)
-    return [
-        (UnitView(prefix, state, part, param_entries(part)), key)
-        for part, key in zip(state.unit.parts(), keys, strict=False)
-    ]
 
 
 def _copy_out(t: Tensor, offload: bool) -> Tensor:
@@ -118,26 +96,25 @@ def _copy_out(t: Tensor, offload: bool) -> Tensor:
 
 def pre_state_dict(module: nn.Module, prefix: str) -> None:
     """Nothing to prepare: see [Note: one unit at a time]; only the state is checked."""
-    _state(module).assert_state(TrainingState.IDLE, "state_dict")
+    assert_idle(module, "state_dict")
 
 
 def post_state_dict(module: nn.Module, state_dict: dict[str, Any], prefix: str) -> None:
     """Replace the instance's ``_flat_param`` entry by the selected type's entries."""
-    state = _state(module)
     sd_type, config = _settings(module)
     offload = config.offload_to_cpu
     rank0_only = bool(getattr(config, "rank0_only", False))
-    views = _unit_views(state, prefix)
+    template = bool(getattr(module, TEMPLATE_ATTR, False))
+    # A frozen part (fsdp's [Note: frozen part]) is a unit of its own, under its own key;
+    # only LOCAL state dicts show the keys.
     produced: dict[str, Any] = {}
-    for view, flat_key in views:
-        state_dict.pop(flat_key, None)
+    for unit in instance_flat_units(module, prefix):
+        state_dict.pop(unit.key, None)
         if sd_type is StateDictType.LOCAL_STATE_DICT:
-            produced[flat_key] = _local_dtensor(view.unit, offload)
+            produced[unit.key] = _local_dtensor(unit, offload)
         else:
-            produced.update(_unit_params(view, sd_type, offload, rank0_only))
-    if not views:
-        assert prefix + FLAT_PARAM not in state_dict
-    _strip_inner_prefix(state, state_dict, prefix, offload)
+            produced.update(_unit_params(unit, sd_type, offload, rank0_only, template))
+    _strip_inner_prefix(module, state_dict, prefix, offload)
     state_dict.update(produced)
     if rank0_only and dist.get_rank() != 0:
         for key in [k for k in state_dict if k.startswith(prefix)]:
@@ -145,22 +122,20 @@ def post_state_dict(module: nn.Module, state_dict: dict[str, Any], prefix: str) 
 
 
 def _unit_params(
-    view: UnitView, sd_type: StateDictType, offload: bool, rank0_only: bool
+    unit: FlatUnit, sd_type: StateDictType, offload: bool, rank0_only: bool, template: bool
 ) -> dict[str, Any]:
     """FULL or SHARDED entries of one unit (see [Note: one unit at a time])."""
-    unit = view.unit
-    device = torch.device("cpu") if offload else unit.config.compute_device
+    device = torch.device("cpu") if offload else unit.sharding.device
     sharded = sd_type is StateDictType.SHARDED_STATE_DICT
-    template = getattr(view.state.module, TEMPLATE_ATTR, False)
+    group = unit.sharding.group
     values: list[Any]
-    if sharded and unit.config.shard and not template:
-        chunks = shard_to_chunks(unit, unit.flat_param.detach(), view.entries, device)
+    if sharded and unit.sharded and not template:
+        chunks = shard_to_chunks(unit, unit.flat_param.detach(), device)
         values = [
-            chunk_dtensor(c, e.shape, unit.config.group)
-            for c, e in zip(chunks, view.entries, strict=True)
+            chunk_dtensor(c, e.shape, group) for c, e in zip(chunks, unit.params, strict=True)
         ]
     elif rank0_only and not sharded and not template:
-        gathered = gather_params_on_rank0(unit, unit.flat_param.detach(), view.entries, device)
+        gathered = gather_params_on_rank0(unit, unit.flat_param.detach(), device)
         if gathered is None:
             return {}
         values = list(gathered)
@@ -171,28 +146,28 @@ def _unit_params(
         else:
             full = gather_flat(unit, unit.flat_param.detach())  # collective: every rank
         values = []
-        for entry in view.entries:
+        for entry in unit.params:
             param = full[entry.start : entry.end].view(entry.shape)
             if sharded:
-                values.append(to_dtensor(param, unit.config.group, device))
+                values.append(to_dtensor(param, group, device))
             else:
                 values.append(_copy_out(param, offload))
         del full
     out: dict[str, Any] = {}
-    for entry, value in zip(view.entries, values, strict=True):
-        out[view.prefix + entry.name] = value
+    for entry, value in zip(unit.params, values, strict=True):
+        out[entry.fqn] = value
         for alias in entry.aliases:
-            out[view.prefix + alias] = value
+            out[alias] = value
     return out
 
 
 def _strip_inner_prefix(
-    state: FSDPState, state_dict: dict[str, Any], prefix: str, offload: bool
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, offload: bool
 ) -> None:
     """Keys below the instance lose its ``_fsdp_wrapped_module.``; buffers regain their
     dtype from before mixed precision (and move to the CPU with ``offload``)."""
-    inner = inner_key(prefix)
-    orig_dtypes = buffer_orig_dtypes_by_key(state, prefix)
+    inner = wrapped_prefix(prefix)
+    orig_dtypes = buffer_orig_dtypes(module, prefix)
     for key in [k for k in state_dict if k.startswith(inner)]:
         value = state_dict.pop(key)
         new_key = prefix + key[len(inner) :]
@@ -205,7 +180,7 @@ def _strip_inner_prefix(
         state_dict[new_key] = value
 
 
-def _local_dtensor(unit: FlatParamUnit, offload: bool) -> DTensor | Tensor:
+def _local_dtensor(unit: FlatUnit, offload: bool) -> DTensor | Tensor:
     """This rank's padded shard as a DTensor of the padded flat tensor.
 
     The padded flat tensor (``padded_numel = world_size * shard_numel``) splits into
@@ -214,9 +189,9 @@ def _local_dtensor(unit: FlatParamUnit, offload: bool) -> DTensor | Tensor:
     (replicated) tensor then.
     """
     data = _copy_out(unit.flat_param.detach(), offload)
-    if not unit.config.shard:
+    if not unit.sharded:
         return data
-    mesh = mesh_for(unit.config.group, data.device.type)
+    mesh = mesh_for(unit.sharding.group, data.device.type)
     return DTensor.from_local(
         data,
         mesh,
@@ -227,13 +202,13 @@ def _local_dtensor(unit: FlatParamUnit, offload: bool) -> DTensor | Tensor:
     )
 
 
-def local_shard_of(unit: FlatParamUnit, value: Any, key: str) -> Tensor:
+def local_shard_of(unit: FlatUnit, value: Any, key: str) -> Tensor:
     """This rank's padded flat shard from a LOCAL state-dict value for ``unit``.
 
     Raises :class:`LocalShardMismatchError` when the value was made for another shard
     layout: a LOCAL state dict only loads at the world size (and model) that saved it.
     """
-    world = unit.config.world_size if unit.config.shard else 1
+    world = unit.layout.world_size
     value = loadable(value, key)
     if isinstance(value, DTensor):
         saved_world = value.device_mesh.size()
@@ -272,39 +247,37 @@ def pre_load_state_dict(
     error_msgs: list[str],
 ) -> None:
     """Rebuild this rank's shard from the incoming entries (see [Note: one unit at a time])."""
-    state = _state(module)
-    state.assert_state(TrainingState.IDLE, "load_state_dict")
+    assert_idle(module, "load_state_dict")
     sd_type, _ = _settings(module)
-    shards: list[tuple[UnitView, str, Tensor | None]] = []
-    for view, flat_key in _unit_views(state, prefix):
+    shards: list[tuple[FlatUnit, Tensor | None]] = []
+    for unit in instance_flat_units(module, prefix):
         shard: Tensor | None = None
         if sd_type is StateDictType.LOCAL_STATE_DICT:
-            if flat_key in state_dict:
-                shard = local_shard_of(view.unit, state_dict.pop(flat_key), flat_key)
+            if unit.key in state_dict:
+                shard = local_shard_of(unit, state_dict.pop(unit.key), unit.key)
         else:
-            shard = _shard_from_params(view, state_dict, missing_keys, error_msgs)
-        shards.append((view, flat_key, shard))
-    inner = inner_key(prefix)
-    flat_keys = {flat_key for _, flat_key, _ in shards}
+            shard = _shard_from_params(unit, state_dict, missing_keys, error_msgs)
+        shards.append((unit, shard))
+    inner = wrapped_prefix(prefix)
+    flat_keys = {unit.key for unit, _ in shards}
     for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
         if key not in flat_keys:
             state_dict[inner + key[len(prefix) :]] = state_dict.pop(key)
-    for view, flat_key, shard in shards:
+    for unit, shard in shards:
         # Missing or mismatched entries were reported; keep the current values.
-        state_dict[flat_key] = view.unit.flat_param.detach() if shard is None else shard
+        state_dict[unit.key] = unit.flat_param.detach() if shard is None else shard
 
 
 def _shard_from_params(
-    view: UnitView, state_dict: dict[str, Any], missing_keys: list[str], error_msgs: list[str]
+    unit: FlatUnit, state_dict: dict[str, Any], missing_keys: list[str], error_msgs: list[str]
 ) -> Tensor | None:
     """This rank's shard from FULL (tensors) or SHARDED (DTensor) entries of the unit."""
-    unit = view.unit
     values: list[Any] = []
     missing: list[str] = []
-    for entry in view.entries:
-        key = view.prefix + entry.name
+    for entry in unit.params:
+        key = entry.fqn
         for alias in entry.aliases:
-            state_dict.pop(view.prefix + alias, None)
+            state_dict.pop(alias, None)
         if key not in state_dict:
             missing.append(key)
             continue
@@ -313,29 +286,29 @@ def _shard_from_params(
         missing_keys.extend(missing)
         return None
     bad = False
-    for entry, value in zip(view.entries, values, strict=True):
+    for entry, value in zip(unit.params, values, strict=True):
         if not isinstance(value, Tensor):
             raise TypeError(
-                f"{view.prefix + entry.name}: expected a tensor or DTensor in the state dict, "
+                f"{entry.fqn}: expected a tensor or DTensor in the state dict, "
                 f"got {type(value).__name__}"
             )
         if tuple(value.shape) != tuple(entry.shape):  # a DTensor's shape is the global one
             error_msgs.append(
-                f"size mismatch for {view.prefix + entry.name}: copying a param with shape "
+                f"size mismatch for {entry.fqn}: copying a param with shape "
                 f"{tuple(value.shape)} from checkpoint, the shape in current model is "
                 f"{tuple(entry.shape)}."
             )
             bad = True
     if bad:
         return None
-    group = unit.config.group
-    if unit.config.shard and all(is_chunked_like_ours(v, group) for v in values):
+    group = unit.sharding.group
+    if unit.sharded and all(is_chunked_like_ours(v, group) for v in values):
         # DCP filled the template SHARDED made: the chunks are here, no gather needed.
-        return chunks_to_shard(unit, [v.to_local() for v in values], view.entries)
+        return chunks_to_shard(unit, [v.to_local() for v in values])
     # Full tensors (FULL), or DTensors laid out otherwise: every rank rebuilds each
     # parameter (a collective for a DTensor: every rank, same order) and keeps its shard.
     parts = [full_value(v).reshape(-1).to(unit.flat_param.dtype) for v in values]
     flat = torch.cat([p.to(unit.flat_param.device) for p in parts])
-    if not unit.config.shard:
+    if not unit.sharded:
         return flat
-    return shard_flat(flat, unit.layout, unit.config.rank)
+    return shard_flat(flat, unit.layout, unit.shard_index)

@@ -42,23 +42,15 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from ckpt._chunks import chunk_dtensor, full_value, is_chunked_like_ours, to_dtensor
 from ckpt._comm import device_of, on_device
-from ckpt._fsdp_units import (
-    UnitView,
-    chunk_dtensor,
-    full_value,
-    gather_flat,
-    is_chunked_like_ours,
-    to_dtensor,
-    units_of,
-)
 from ckpt._loadable import LoadableState
 from ckpt._orig_optim_state import load_orig_param_state, orig_unit_state
 from ckpt._unit_exchange import chunks_to_shard, shard_to_chunks
 from flatparam import shard_flat
-from fsdp import to_fsdp_type
-from fsdp._common import clean_fqn
+from fsdp import to_fsdp_type, unwrapped_name
 from fsdp.api import OptimStateKeyType, StateDictType
+from fsdp.units import FlatUnit, flat_units, gather_flat
 
 __all__ = [
     "flatten_sharded_optim_state_dict",
@@ -81,7 +73,7 @@ class _Slot:
     ``use_orig_params=True`` unit, or a plain parameter."""
 
     param: Tensor
-    unit: UnitView | None  # None: a parameter outside every unit
+    unit: FlatUnit | None  # None: a parameter outside every unit
     fqn: str  # the plain parameter's name (unused for a unit)
     index: int | None = None  # an original parameter: its index in the unit
 
@@ -89,23 +81,22 @@ class _Slot:
         if self.unit is None:
             return [self.fqn]
         if self.index is not None:
-            return [self.unit.prefix + self.unit.entries[self.index].name]
+            return [self.unit.params[self.index].fqn]
         return self.unit.fqns()
 
 
 def _slots(model: nn.Module) -> dict[int, _Slot]:
     """id(tensor the optimizer holds) -> what it stands for."""
     out: dict[int, _Slot] = {}
-    for view in units_of(model):
-        orig = view.unit.orig
-        if orig is not None:
-            for i, p in enumerate(orig.params):
-                out[id(p)] = _Slot(p, view, "", i)
+    for unit in flat_units(model):
+        if unit.orig_params is not None:
+            for i, p in enumerate(unit.orig_params):
+                out[id(p)] = _Slot(p, unit, "", i)
             continue
-        out[id(view.unit.flat_param)] = _Slot(view.unit.flat_param, view, "")
+        out[id(unit.flat_param)] = _Slot(unit.flat_param, unit, "")
     for name, p in model.named_parameters():
         if id(p) not in out:
-            out[id(p)] = _Slot(p, None, clean_fqn(name))
+            out[id(p)] = _Slot(p, None, unwrapped_name(name))
     return out
 
 
@@ -124,17 +115,17 @@ def _slot_of(slots: Mapping[int, _Slot], p: Tensor) -> _Slot:
     return slot
 
 
-def _is_flat_state(value: Any, view: UnitView) -> bool:
+def _is_flat_state(value: Any, unit: FlatUnit) -> bool:
     return (
         isinstance(value, Tensor)
         and value.dim() == 1
-        and value.numel() == view.unit.layout.shard_numel
+        and value.numel() == unit.layout.shard_numel
         and value.numel() > 0
     ) or (
         isinstance(value, Tensor)
         and value.dim() == 1
-        and not view.unit.config.shard
-        and value.numel() == view.unit.layout.full_numel
+        and not unit.sharded
+        and value.numel() == unit.layout.full_numel
     )
 
 
@@ -145,32 +136,30 @@ def _copy(value: Any, device: torch.device | None) -> Any:
 
 
 def _unit_state(
-    view: UnitView, flat_state: Mapping[str, Any], sharded: bool, device: torch.device | None
+    unit: FlatUnit, flat_state: Mapping[str, Any], sharded: bool, device: torch.device | None
 ) -> Iterator[tuple[str, dict[str, Any]]]:
     """(fqn, state) for every parameter of a unit, from the flat parameter's state."""
-    per_param: dict[str, dict[str, Any]] = {e.name: {} for e in view.entries}
+    per_param: dict[str, dict[str, Any]] = {e.fqn: {} for e in unit.params}
+    group, dev = unit.sharding.group, device or unit.sharding.device
     for key, value in flat_state.items():
-        if _is_flat_state(value, view) and sharded and view.unit.config.shard:
+        if _is_flat_state(value, unit) and sharded and unit.sharded:
             # Chunks straight from the shards: see [Note: a unit's bytes move once].
-            dev = device or view.unit.config.compute_device
-            chunks = shard_to_chunks(view.unit, value, view.entries, dev)  # collective
-            for e, chunk in zip(view.entries, chunks, strict=True):
-                per_param[e.name][key] = chunk_dtensor(chunk, e.shape, view.unit.config.group)
-        elif _is_flat_state(value, view):
-            full = gather_flat(view.unit, value)  # collective, see [Note: ...collectives]
-            for e in view.entries:
+            chunks = shard_to_chunks(unit, value, dev)  # collective
+            for e, chunk in zip(unit.params, chunks, strict=True):
+                per_param[e.fqn][key] = chunk_dtensor(chunk, e.shape, group)
+        elif _is_flat_state(value, unit):
+            full = gather_flat(unit, value)  # collective, see [Note: ...collectives]
+            for e in unit.params:
                 piece = full[e.start : e.end].view(e.shape)
                 if sharded:
-                    dev = device or view.unit.config.compute_device
-                    per_param[e.name][key] = to_dtensor(piece, view.unit.config.group, dev)
+                    per_param[e.fqn][key] = to_dtensor(piece, group, dev)
                 else:
-                    per_param[e.name][key] = _copy(piece, device)
+                    per_param[e.fqn][key] = _copy(piece, device)
             del full
         else:
-            for e in view.entries:
-                per_param[e.name][key] = _copy(value, device)
-    for e in view.entries:
-        yield view.prefix + e.name, per_param[e.name]
+            for e in unit.params:
+                per_param[e.fqn][key] = _copy(value, device)
+    yield from per_param.items()
 
 
 def _named_groups(
@@ -213,7 +202,7 @@ def fsdp_optim_state_dict(
         slot = _slot_of(slots, p)
         if slot.index is not None:
             assert slot.unit is not None
-            per_unit = orig_local.setdefault(id(slot.unit.unit), {})
+            per_unit = orig_local.setdefault(id(slot.unit.flat_param), {})
             if saved_state.get(index) is not None:
                 per_unit[slot.index] = saved_state[index]
     orig_done: dict[int, dict[int, dict[str, Any]]] = {}
@@ -222,7 +211,7 @@ def fsdp_optim_state_dict(
         slot = _slot_of(slots, p)
         if slot.unit is not None and slot.index is not None:
             # The whole unit at its first parameter: the same order on every rank.
-            key = id(slot.unit.unit)
+            key = id(slot.unit.flat_param)
             if key not in orig_done:
                 orig_done[key] = orig_unit_state(
                     slot.unit, orig_local[key], sharded=sharded, device=device
@@ -264,23 +253,21 @@ def _check_groups(
 
 
 def _flat_state_of_unit(
-    view: UnitView, named_state: Mapping[str, Mapping[str, Any]], what: str
+    unit: FlatUnit, named_state: Mapping[str, Mapping[str, Any]], what: str
 ) -> dict[str, Any] | None:
     """A unit's flat state (this rank's shard) from per-FQN states; None if none saved."""
-    present = [view.prefix + e.name in named_state for e in view.entries]
+    present = [e.fqn in named_state for e in unit.params]
     if not any(present):
         return None
     if not all(present):
-        lacking = [
-            view.prefix + e.name for e, ok in zip(view.entries, present, strict=True) if not ok
-        ]
+        lacking = [e.fqn for e, ok in zip(unit.params, present, strict=True) if not ok]
         raise ValueError(
             f"{what}: the optimizer state dict has state for some parameters of a unit but "
             f"not for {lacking}; it is not from this model"
         )
-    states = [named_state[view.prefix + e.name] for e in view.entries]
+    states = [named_state[e.fqn] for e in unit.params]
     keys = list(states[0])
-    flat_param = view.unit.flat_param
+    flat_param = unit.flat_param
     out: dict[str, Any] = {}
     for key in keys:
         values = [s.get(key) for s in states]
@@ -289,25 +276,25 @@ def _flat_state_of_unit(
             first = values[0]
             out[key] = first.detach().clone() if isinstance(first, Tensor) else copy.deepcopy(first)
             continue
-        for e, v in zip(view.entries, values, strict=True):
+        for e, v in zip(unit.params, values, strict=True):
             if not isinstance(v, Tensor) or tuple(v.shape) != tuple(e.shape):
                 got = f"shape {tuple(v.shape)}" if isinstance(v, Tensor) else type(v).__name__
                 raise ValueError(
-                    f"{what}: state {key!r} of {view.prefix + e.name} has {got}, the "
+                    f"{what}: state {key!r} of {e.fqn} has {got}, the "
                     f"parameter has shape {tuple(e.shape)}"
                 )
-        group = view.unit.config.group
-        if view.unit.config.shard and all(is_chunked_like_ours(v, group) for v in values):
+        group = unit.sharding.group
+        if unit.sharded and all(is_chunked_like_ours(v, group) for v in values):
             # Chunks as a sharded save made them: see [Note: a unit's bytes move once].
             chunks = [v.to_local() for v in values if isinstance(v, DTensor)]
-            out[key] = chunks_to_shard(view.unit, chunks, view.entries, chunks[0].dtype)
+            out[key] = chunks_to_shard(unit, chunks, chunks[0].dtype)
             continue
         parts = [  # collective for a DTensor: every rank, same order
             full_value(v).reshape(-1).to(flat_param.device) for v in values
         ]
         flat = torch.cat(parts)
-        if view.unit.config.shard:
-            flat = shard_flat(flat, view.unit.layout, view.unit.config.rank)
+        if unit.sharded:
+            flat = shard_flat(flat, unit.layout, unit.shard_index)
         out[key] = flat
     return out
 

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from ckpt._fsdp_units import chunk_bounds, chunk_dtensor
+from ckpt._chunks import chunk_bounds, chunk_dtensor
 
 __all__ = ["LoadableState", "loadable"]
 

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from ckpt._fsdp_optim_state import fsdp_optim_state_dict, load_fsdp_optim_state_dict
 from ckpt._zero_state import load_zero_optim_state_dict, zero_optim_state_dict
-from fsdp._fsdp_state import get_fsdp_state
+from fsdp import FullyShardedDataParallel
 from zero_optim import ZeroRedundancyOptimizer
 
 __all__ = ["has_fsdp", "load_optim_state_dict", "optim_state_dict"]
@@ -31,7 +31,7 @@ __all__ = ["has_fsdp", "load_optim_state_dict", "optim_state_dict"]
 
 def has_fsdp(model: nn.Module) -> bool:
     """Whether ``model`` contains an instance of our FullyShardedDataParallel."""
-    return any(get_fsdp_state(m) is not None for m in model.modules())
+    return any(isinstance(m, FullyShardedDataParallel) for m in model.modules())
 
 
 def optim_state_dict(

@@ -43,9 +43,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ckpt._chunks import chunk_dtensor, full_value, to_dtensor
 from ckpt._comm import on_device
-from ckpt._fsdp_units import UnitView, chunk_dtensor, full_value, gather_flat, to_dtensor
 from ckpt._unit_exchange import shard_to_chunks
+from fsdp.units import FlatUnit, gather_flat
 
 __all__ = ["LocalPiece", "load_orig_param_state", "local_pieces", "orig_unit_state"]
 
@@ -74,20 +75,16 @@ class LocalPiece:
         return self.param_start + self.numel
 
 
-def local_pieces(view: UnitView) -> dict[int, LocalPiece]:
+def local_pieces(unit: FlatUnit) -> dict[int, LocalPiece]:
     """Parameter index -> this rank's non-empty piece of it (absent when empty)."""
-    unit = view.unit
-    if not unit.config.shard:
-        return {
-            i: LocalPiece(e.start, 0, e.end - e.start, e.shape)
-            for i, e in enumerate(view.entries)
-            if e.end > e.start
-        }
     return {
-        piece.param_index: LocalPiece(
-            piece.shard_offset, piece.param_start, piece.numel, torch.Size([piece.numel])
+        p.param_index: LocalPiece(
+            p.shard_offset,
+            p.param_start,
+            p.numel,
+            torch.Size([p.numel]) if unit.sharded else unit.params[p.param_index].shape,
         )
-        for piece in unit.layout.pieces(unit.config.rank)
+        for p in unit.local_pieces()
     }
 
 
@@ -110,7 +107,7 @@ def _describe(value: Any, piece: LocalPiece | None) -> _Desc:
 
 
 def _merged_descriptions(
-    view: UnitView,
+    unit: FlatUnit,
     local: Mapping[int, Mapping[str, Any]],
     pieces: Mapping[int, LocalPiece],
 ) -> dict[int, dict[str, _Desc]]:
@@ -119,12 +116,11 @@ def _merged_descriptions(
         i: {key: _describe(v, pieces.get(i)) for key, v in state.items()}
         for i, state in local.items()
     }
-    unit = view.unit
     parts: list[Any] = [mine]
-    if unit.config.shard:
-        group = unit.config.group
+    if unit.sharded:
+        group = unit.sharding.group
         parts = [None] * dist.get_world_size(group)
-        with on_device(unit.config.compute_device):  # not the current device
+        with on_device(unit.sharding.device):  # not the current device
             dist.all_gather_object(parts, mine, group=group)
     # Merged in rank order, so that keys (and so the gathers) are in the same order on
     # every rank.
@@ -141,7 +137,7 @@ def _merged_descriptions(
     for i in sorted(merged):
         for key, desc in merged[i].items():
             if desc[0] == "bad":
-                name = view.prefix + view.entries[i].name
+                name = unit.params[i].fqn
                 raise ValueError(
                     f"optimizer state {key!r} of {name} has {desc[1]}; under use_orig_params=True "
                     "ckpt saves per-element state laid out like the parameter (exp_avg, ...) "
@@ -156,7 +152,7 @@ def _merged_descriptions(
 
 
 def orig_unit_state(
-    view: UnitView,
+    unit: FlatUnit,
     local: Mapping[int, Mapping[str, Any]],
     *,
     sharded: bool,
@@ -169,16 +165,15 @@ def orig_unit_state(
     group for a sharded unit (see [Note: which parameters have state is per rank]);
     call it on every rank for the same units in the same order.
     """
-    unit = view.unit
-    pieces = local_pieces(view)
-    merged = _merged_descriptions(view, local, pieces)
+    pieces = local_pieces(unit)
+    merged = _merged_descriptions(unit, local, pieces)
     out: dict[int, dict[str, Any]] = {i: dict.fromkeys(descs) for i, descs in merged.items()}
     flats: list[tuple[str, torch.dtype]] = []
     for descs in merged.values():
         for key, (kind, what) in descs.items():
             if kind == "elem" and (key, what) not in flats:
                 flats.append((key, what))
-    size = unit.layout.shard_numel if unit.config.shard else unit.layout.full_numel
+    size = unit.layout.shard_numel if unit.sharded else unit.layout.full_numel
     for key, dtype in flats:
         shard = torch.zeros(size, dtype=dtype, device=unit.flat_param.device)
         for i, state in local.items():
@@ -188,22 +183,22 @@ def orig_unit_state(
                 continue
             shard[piece.shard_start : piece.shard_end] = value.detach().reshape(-1)
         wanted = [i for i, descs in merged.items() if descs.get(key) == ("elem", dtype)]
-        if sharded and unit.config.shard:
+        if sharded and unit.sharded:
             # Chunks straight from the shards: see [Note: a unit's bytes move once].
-            dev = device or unit.config.compute_device
-            chunks = shard_to_chunks(unit, shard, view.entries, dev)  # collective
+            dev = device or unit.sharding.device
+            chunks = shard_to_chunks(unit, shard, dev)  # collective
             for i in wanted:
-                e = view.entries[i]
-                out[i][key] = chunk_dtensor(chunks[i], e.shape, unit.config.group)
+                e = unit.params[i]
+                out[i][key] = chunk_dtensor(chunks[i], e.shape, unit.sharding.group)
             del chunks, shard
             continue
         full = gather_flat(unit, shard)  # collective, see [Note: optimizer state collectives]
         for i in wanted:
-            e = view.entries[i]
+            e = unit.params[i]
             value = full[e.start : e.end].view(e.shape)
             if sharded:
-                dev = device or unit.config.compute_device
-                out[i][key] = to_dtensor(value, unit.config.group, dev)
+                dev = device or unit.sharding.device
+                out[i][key] = to_dtensor(value, unit.sharding.group, dev)
             else:
                 out[i][key] = value.detach().to(device or value.device, copy=True)
         del full, shard
@@ -218,7 +213,7 @@ def orig_unit_state(
 
 
 def load_orig_param_state(
-    view: UnitView, index: int, saved: Mapping[str, Any] | None, what: str
+    unit: FlatUnit, index: int, saved: Mapping[str, Any] | None, what: str
 ) -> dict[str, Any] | None:
     """This rank's optimizer state of original parameter ``index`` from its FQN-keyed state.
 
@@ -229,9 +224,9 @@ def load_orig_param_state(
     """
     if saved is None:
         return None
-    entry = view.entries[index]
-    piece = local_pieces(view).get(index)
-    device = view.unit.flat_param.device
+    entry = unit.params[index]
+    piece = local_pieces(unit).get(index)
+    device = unit.flat_param.device
     out: dict[str, Any] = {}
     for key, value in saved.items():
         if not isinstance(value, Tensor):
@@ -243,7 +238,7 @@ def load_orig_param_state(
             continue
         if tuple(full.shape) != tuple(entry.shape):
             raise ValueError(
-                f"{what}: state {key!r} of {view.prefix + entry.name} has shape "
+                f"{what}: state {key!r} of {entry.fqn} has shape "
                 f"{tuple(full.shape)}, the parameter has {tuple(entry.shape)}"
             )
         if piece is not None:

@@ -3,7 +3,7 @@
 [Note: a unit's bytes move once]
 Gathering a whole unit on every rank to hand each rank back a 1/N share of it (what a
 SHARDED state dict needs, see [Note: SHARDED is chunked per original parameter] in
-``_fsdp_units.py``) moves N times the unit's bytes and holds the unit unsharded on
+``_chunks.py``) moves N times the unit's bytes and holds the unit unsharded on
 every rank. Both layouts are known everywhere, so each rank can instead work out
 which of its flat elements another rank's chunks need and send exactly those:
 
@@ -15,7 +15,8 @@ which of its flat elements another rank's chunks need and send exactly those:
   ``rank0_only`` state dict): the other ranks only send their shards, and rank 0
   copies them into the parameters one shard at a time.
 
-Every interval below is in the unpadded flat tensor's coordinates: parameter ``e``
+The units and their layouts come from fsdp's public :mod:`fsdp.units`. Every
+interval below is in the unpadded flat tensor's coordinates: parameter ``e``
 is ``flat[e.start : e.end]``, rank ``s``'s shard is ``flat[s * S : (s + 1) * S]``
 (``S = shard_numel``, padding at the very end). A rank's chunk of ``e`` is a
 contiguous run of rows, so a contiguous flat interval; the intervals of one rank are
@@ -25,7 +26,6 @@ receives, concatenated in source-rank order, are its chunks in parameter order.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,39 +33,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ckpt._fsdp_units import ParamEntry, chunk_bounds
-from fsdp._flat_param_unit import FlatParamUnit
+from ckpt._chunks import Interval, chunk_intervals, chunk_shape
+from fsdp.units import FlatUnit
 
-__all__ = ["chunk_shape", "chunks_to_shard", "gather_params_on_rank0", "shard_to_chunks"]
-
-Interval = tuple[int, int]  # [start, end) in the unpadded flat tensor
-
-
-def chunk_shape(shape: torch.Size, world_size: int, rank: int) -> torch.Size:
-    """Shape of ``rank``'s ``Shard(0)`` chunk of a tensor of ``shape`` (0-dim: itself)."""
-    if len(shape) == 0:
-        return shape
-    start, end = chunk_bounds(shape[0], world_size, rank)
-    return torch.Size((end - start, *shape[1:]))
-
-
-def _chunk_intervals(
-    entries: Sequence[ParamEntry], world_size: int, rank: int, scalars_everywhere: bool
-) -> list[Interval]:
-    """``rank``'s chunk of each entry as a flat interval, in parameter order.
-
-    A 0-dim parameter is replicated, not chunked: every rank needs it when chunks are
-    made (``scalars_everywhere``), and only rank 0 supplies it when a shard is rebuilt.
-    """
-    out: list[Interval] = []
-    for e in entries:
-        if len(e.shape) == 0:
-            out.append((e.start, e.end) if scalars_everywhere or rank == 0 else (e.end, e.end))
-            continue
-        row = math.prod(e.shape[1:])
-        start, end = chunk_bounds(e.shape[0], world_size, rank)
-        out.append((e.start + start * row, e.start + end * row))
-    return out
+__all__ = ["chunks_to_shard", "gather_params_on_rank0", "shard_to_chunks"]
 
 
 def _overlaps(wanted: Sequence[Interval], lo: int, hi: int) -> list[tuple[int, int, int]]:
@@ -107,22 +78,20 @@ def _all_to_all(sends: list[Tensor], recv_numels: list[int], group: Any, like: T
     return out
 
 
-def shard_to_chunks(
-    unit: FlatParamUnit, shard: Tensor, entries: Sequence[ParamEntry], device: torch.device
-) -> list[Tensor]:
-    """This rank's ``Shard(0)`` chunk of every entry, from every rank's flat ``shard``.
+def shard_to_chunks(unit: FlatUnit, shard: Tensor, device: torch.device) -> list[Tensor]:
+    """This rank's ``Shard(0)`` chunk of every parameter, from every rank's flat ``shard``.
 
     ``shard`` is laid out like the unit's FlatParameter (this rank's padded chunk).
     A collective over the unit's group: see [Note: a unit's bytes move once]. The
     chunks are fresh tensors on ``device`` that share no storage with each other.
     """
-    cfg, size = unit.config, unit.layout.shard_numel
-    src = shard.detach().to(_comm_device(cfg.group, cfg.compute_device))
-    mine = _chunk_intervals(entries, cfg.world_size, cfg.rank, scalars_everywhere=True)
+    cfg, size, entries = unit.sharding, unit.layout.shard_numel, unit.params
+    src = shard.detach().to(_comm_device(cfg.group, cfg.device))
+    mine = chunk_intervals(entries, cfg.world_size, cfg.rank, scalars_everywhere=True)
     lo, hi = cfg.rank * size, (cfg.rank + 1) * size
     sends = []
     for dst in range(cfg.world_size):
-        wanted = _chunk_intervals(entries, cfg.world_size, dst, scalars_everywhere=True)
+        wanted = chunk_intervals(entries, cfg.world_size, dst, scalars_everywhere=True)
         sends.append(_cat([src[o : o + n] for _, o, n in _overlaps(wanted, lo, hi)], src))
     recv = [
         sum(n for *_, n in _overlaps(mine, s * size, (s + 1) * size)) for s in range(cfg.world_size)
@@ -140,23 +109,20 @@ def shard_to_chunks(
 
 
 def chunks_to_shard(
-    unit: FlatParamUnit,
-    chunks: Sequence[Tensor],
-    entries: Sequence[ParamEntry],
-    dtype: torch.dtype | None = None,
+    unit: FlatUnit, chunks: Sequence[Tensor], dtype: torch.dtype | None = None
 ) -> Tensor:
-    """This rank's padded flat shard from every rank's ``Shard(0)`` chunks of the entries.
+    """This rank's padded flat shard from every rank's ``Shard(0)`` chunks of the parameters.
 
-    ``chunks[i]`` is this rank's chunk of ``entries[i]`` (shape from :func:`chunk_shape`);
+    ``chunks[i]`` is this rank's chunk of ``unit.params[i]`` (shape from :func:`chunk_shape`);
     the padding comes back as zeros. A collective over the unit's group, the mirror
     image of :func:`shard_to_chunks`. Returns a tensor of ``dtype`` (the
     FlatParameter's by default: optimizer state may differ) on the FlatParameter's
     device.
     """
-    cfg, size = unit.config, unit.layout.shard_numel
+    cfg, size, entries = unit.sharding, unit.layout.shard_numel, unit.params
     dtype = dtype or unit.flat_param.dtype
-    device = _comm_device(cfg.group, cfg.compute_device)
-    mine = _chunk_intervals(entries, cfg.world_size, cfg.rank, scalars_everywhere=False)
+    device = _comm_device(cfg.group, cfg.device)
+    mine = chunk_intervals(entries, cfg.world_size, cfg.rank, scalars_everywhere=False)
     local = _cat(
         [
             c.detach().reshape(-1)[: end - start].to(device, dtype)
@@ -170,7 +136,7 @@ def chunks_to_shard(
     ]
     lo, hi = cfg.rank * size, (cfg.rank + 1) * size
     theirs = [
-        _overlaps(_chunk_intervals(entries, cfg.world_size, s, False), lo, hi)
+        _overlaps(chunk_intervals(entries, cfg.world_size, s, False), lo, hi)
         for s in range(cfg.world_size)
     ]
     packed = _all_to_all(sends, [sum(n for *_, n in parts) for parts in theirs], cfg.group, local)
@@ -189,9 +155,9 @@ def _recv_buffer(numel: int, like: Tensor) -> Tensor:
 
 
 def gather_params_on_rank0(
-    unit: FlatParamUnit, shard: Tensor, entries: Sequence[ParamEntry], device: torch.device
+    unit: FlatUnit, shard: Tensor, device: torch.device
 ) -> list[Tensor] | None:
-    """Every entry's full tensor (fresh, on ``device``) on global rank 0; None elsewhere.
+    """Every parameter's full tensor (fresh, on ``device``) on global rank 0; None elsewhere.
 
     The other ranks of the unit's group send their shards point to point; rank 0 takes
     them one at a time and copies each piece straight into the parameter it belongs to,
@@ -200,16 +166,16 @@ def gather_params_on_rank0(
     sharding the shard groups without rank 0 hold replicas of the same data and do
     nothing.
     """
-    cfg = unit.config
+    cfg, entries = unit.sharding, unit.params
     is_rank0 = dist.get_rank() == 0
-    if not cfg.shard:  # ``shard`` is the whole flat tensor
+    if not unit.sharded:  # ``shard`` is the whole flat tensor
         if not is_rank0:
             return None
         return [shard[e.start : e.end].view(e.shape).to(device, copy=True) for e in entries]
     ranks = dist.get_process_group_ranks(cfg.group)
     if 0 not in ranks:
         return None
-    src = shard.detach().to(_comm_device(cfg.group, cfg.compute_device)).contiguous()
+    src = shard.detach().to(_comm_device(cfg.group, cfg.device)).contiguous()
     if not is_rank0:
         dist.send(src, dst=0, group=cfg.group)
         return None

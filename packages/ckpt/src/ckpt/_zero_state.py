@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ckpt._fsdp_units import full_value
-from fsdp._common import clean_fqn
+from ckpt._chunks import full_value
+from fsdp import unwrapped_name
 from zero_optim import ZeroRedundancyOptimizer
 
 __all__ = ["load_zero_optim_state_dict", "param_names", "zero_optim_state_dict"]
@@ -35,7 +35,7 @@ def param_names(model: nn.Module) -> dict[int, str]:
     """id(parameter) -> its FQN without wrapper prefixes (DDP's ``module.``, FSDP's)."""
     prefix = "module." if isinstance(model, nn.parallel.DistributedDataParallel) else ""
     return {
-        id(p): clean_fqn(name).removeprefix(prefix)
+        id(p): unwrapped_name(name).removeprefix(prefix)
         for name, p in model.named_parameters(remove_duplicate=False)
     }
 

@@ -2,7 +2,9 @@
 
 ``from fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy`` replaces
 ``from torch.distributed.fsdp import ...``; the wrap policies are in
-:mod:`fsdp.wrap`. See the package README for the design.
+:mod:`fsdp.wrap`. Tools that read or fill a wrapped model's shards use the
+public layout in :mod:`fsdp.units` and :mod:`fsdp.shards`. See the package README
+for the design.
 """
 
 from flatparam import CollectiveError, RankDisagreementError
@@ -31,11 +33,13 @@ from fsdp.api import (
 from fsdp.fully_sharded_data_parallel import FullyShardedDataParallel
 from fsdp.sharded_grad_scaler import ShardedGradScaler
 from fsdp.shards import LocalShard, is_flat_parameter, local_shards, unwrapped_name
+from fsdp.units import FlatUnit, UnitParam, UnitSharding, flat_units
 
 __all__ = [
     "BackwardPrefetch",
     "CPUOffload",
     "CollectiveError",
+    "FlatUnit",
     "FullOptimStateDictConfig",
     "FullStateDictConfig",
     "FullyShardedDataParallel",
@@ -56,9 +60,12 @@ __all__ = [
     "StateDictType",
     "TrainingState",
     "TrainingStateError",
+    "UnitParam",
+    "UnitSharding",
     "UnitSize",
     "__version__",
     "estimate_memory",
+    "flat_units",
     "is_flat_parameter",
     "local_shards",
     "to_fsdp_policy",

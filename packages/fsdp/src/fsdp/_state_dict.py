@@ -22,7 +22,8 @@ Any other setting (``SHARDED_STATE_DICT``, ``LOCAL_STATE_DICT``, or ``FULL`` wit
 recorded on each instance (``_state_dict_type``, ``_state_dict_config``) and the
 same four hooks hand over to ``ckpt._fsdp_model_state``. The import is lazy, so
 ``import fsdp`` never needs ckpt; a non-default setting can only be made through
-ckpt anyway.
+ckpt anyway. What ckpt may rely on while its hooks run is [Note: state-dict
+hand-over] in ``units.py``, and ckpt reads the instance through that public module.
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ from fsdp._common import FLAT_PARAM, FROZEN_FLAT_PARAM, FSDP_PREFIX, TrainingSta
 from fsdp._fsdp_state import FSDPState, get_fsdp_state
 from fsdp._summon import summon_unit
 from fsdp.api import StateDictType
+from fsdp.units import buffer_orig_dtypes
 
-__all__ = ["buffer_orig_dtypes_by_key", "ckpt_module", "register_state_dict_hooks"]
+__all__ = ["ckpt_module", "register_state_dict_hooks"]
 
 
 def ckpt_module(name: str, feature: str) -> ModuleType:
@@ -137,7 +139,7 @@ def _post_state_dict(
     state = _state(module)
     try:
         inner = prefix + FSDP_PREFIX
-        orig_dtypes = buffer_orig_dtypes_by_key(state, prefix)
+        orig_dtypes = buffer_orig_dtypes(module, prefix)
         # An unsharded unit's summoned parameters alias its FlatParameter: copy them, or
         # the next optimizer step would change the returned state dict.
         flat_storages = (
@@ -162,20 +164,6 @@ def _post_state_dict(
 
 
 _post_state_dict._from_public_api = True  # type: ignore[attr-defined]
-
-
-def buffer_orig_dtypes_by_key(state: FSDPState, prefix: str) -> dict[str, torch.dtype]:
-    """Keys (after prefix stripping) of the buffers mixed precision cast, to their dtypes."""
-    if not state.buffer_orig_dtypes:
-        return {}
-    where = {id(m): name for name, m in state.module.named_modules()}
-    out: dict[str, torch.dtype] = {}
-    for (m, bname), dtype in state.buffer_orig_dtypes.items():
-        mname = where.get(id(m))
-        if mname is not None:
-            fqn = f"{mname}.{bname}" if mname else bname
-            out[prefix + clean_fqn(fqn)] = dtype
-    return out
 
 
 def _pre_load_state_dict(  # noqa: PLR0917 (nn.Module's hook signature)

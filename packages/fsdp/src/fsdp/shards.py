@@ -13,8 +13,10 @@ exposing the flat-parameter machinery:
 * :func:`is_flat_parameter`: whether a tensor of ``named_parameters()`` is fsdp's own
   flat storage (skip it) rather than an original parameter left unsharded.
 
-This is the public boundary between fsdp and other packages (ckpt included): it is
-typed, documented and kept stable across fsdp 0.1.x whatever the internal layout.
+The whole layout (units, their flat tensors, ranges, sharding) is in
+:mod:`fsdp.units`. Together they are the public boundary between fsdp and other
+packages (ckpt included): typed, documented and kept stable across fsdp 0.1.x
+whatever the internal layout.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from flatparam import FlatParameter
 from fsdp._common import TrainingState, clean_fqn
 from fsdp._flat_param_unit import ShardState
 from fsdp._fsdp_state import get_fsdp_state
+from fsdp.units import flat_units
 
 __all__ = ["LocalShard", "is_flat_parameter", "local_shards", "unwrapped_name"]
 
@@ -62,20 +65,17 @@ def is_flat_parameter(tensor: Tensor) -> bool:
     return isinstance(tensor, FlatParameter)
 
 
-def _join(module_name: str, name: str) -> str:
-    return clean_fqn(f"{module_name}.{name}" if module_name else name)
-
-
 def local_shards(model: nn.Module) -> list[LocalShard]:
     """Every original parameter managed by the fsdp instances in ``model``, with the
     slice of it this rank holds; in module order, then flat order.
 
-    Parameters of ignored modules, and modules outside any fsdp instance, are not
-    listed: they are whole on every rank (see :func:`is_flat_parameter`). Call it
-    between training steps: a unit whose parameters are gathered (inside forward,
-    ``summon_full_params``) raises, as its shard is not the storage then in use.
+    Frozen parts are listed like the rest (see [Note: flat units] in
+    :mod:`fsdp.units`, which has the whole layout). Parameters of ignored modules,
+    and modules outside any fsdp instance, are not listed: they are whole on every
+    rank (see :func:`is_flat_parameter`). Call it between training steps: a unit
+    whose parameters are gathered (inside forward, ``summon_full_params``) raises,
+    as its shard is not the storage then in use.
     """
-    out: list[LocalShard] = []
     for module_name, module in model.named_modules():
         state = get_fsdp_state(module)
         if state is None or state.unit is None:
@@ -87,19 +87,12 @@ def local_shards(model: nn.Module) -> list[LocalShard]:
                 f"parameters {unit.state.name}, not IDLE and SHARDED: call local_shards "
                 f"between steps, outside forward and summon_full_params"
             )
-        prefix = clean_fqn(module_name + ".") if module_name else ""
-        flat = unit.flat_param
-        storage = flat.data  # this rank's padded chunk (the whole flat tensor if not sharded)
-        aliases: dict[tuple[int, str], list[str]] = {}
-        for shared in flat._shared_param_infos:
-            key = (id(shared.prim_module), shared.prim_param_name)
-            aliases.setdefault(key, []).append(
-                prefix + _join(shared.module_name, shared.param_name)
-            )
-        rank = unit.config.rank if unit.config.shard else 0
-        pieces = {p.param_index: p for p in unit.layout.pieces(rank)}
-        for index, info in enumerate(flat._param_infos):
-            shape = flat._param_shapes[index]
+    out: list[LocalShard] = []
+    for flat_unit in flat_units(model):
+        # this rank's padded chunk (the whole flat tensor if not sharded)
+        storage = flat_unit.flat_param.data
+        pieces = {p.param_index: p for p in flat_unit.local_pieces()}
+        for index, param in enumerate(flat_unit.params):
             piece = pieces.get(index)
             if piece is None:
                 start = end = offset = 0
@@ -107,9 +100,9 @@ def local_shards(model: nn.Module) -> list[LocalShard]:
                 start, end, offset = piece.param_start, piece.param_end, piece.shard_offset
             out.append(
                 LocalShard(
-                    name=prefix + _join(info.module_name, info.param_name),
-                    aliases=tuple(aliases.get((id(info.module), info.param_name), ())),
-                    shape=shape,
+                    name=param.fqn,
+                    aliases=param.aliases,
+                    shape=param.shape,
                     dtype=storage.dtype,
                     start=start,
                     end=end,
