@@ -5,7 +5,9 @@ ranges, so a ckpt module importing a private module of one of them (``fsdp._comm
 ``zero_optim._partition``, ``flatparam._shard``) would break with any internal change in
 a patch release. What ckpt needs about a wrapped model is in ``fsdp.units`` and
 ``fsdp.shards``; this test fails on any ckpt module that imports a private sibling
-module, at module level or inside a function.
+module, at module level or inside a function. The other way round, fsdp reaches ckpt
+(lazily, for the state-dict types and optimizer state dicts) only through
+``ckpt.fsdp_methods``; the second test holds fsdp and zero_optim to that.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-CKPT = Path(__file__).resolve().parents[2] / "packages" / "ckpt" / "src" / "ckpt"
+PACKAGES = Path(__file__).resolve().parents[2] / "packages"
+CKPT = PACKAGES / "ckpt" / "src" / "ckpt"
 SIBLINGS = ("fsdp", "zero_optim", "flatparam")
 
 
@@ -61,3 +64,35 @@ from ckpt._chunks import chunk_bounds
         "zero_optim._partition",
         "flatparam._shard",
     ]
+
+
+def _ckpt_references(source: str) -> list[str]:
+    """Static imports of ckpt and string literals naming a ckpt module (importlib)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append(node.module)
+        elif isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names]
+        elif (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and node.value.startswith("ckpt.")
+            and " " not in node.value
+        ):
+            found.append(node.value)
+    return [name for name in found if name.split(".")[0] == "ckpt"]
+
+
+def test_fsdp_and_zero_optim_reach_ckpt_only_through_its_hand_over_module() -> None:
+    sources = sorted((PACKAGES / "fsdp" / "src").rglob("*.py"))
+    sources += sorted((PACKAGES / "zero_optim" / "src").rglob("*.py"))
+    assert len(sources) > 20, f"found only {len(sources)} modules under {PACKAGES}"
+    references = {p.name: refs for p in sources if (refs := _ckpt_references(p.read_text()))}
+    wrong = {
+        name: [r for r in refs if r != "ckpt.fsdp_methods"]
+        for name, refs in references.items()
+        if any(r != "ckpt.fsdp_methods" for r in refs)
+    }
+    assert not wrong, f"fsdp reaches ckpt only through ckpt.fsdp_methods: {wrong}"
+    assert references, "fsdp no longer delegates to ckpt at all: update this test"

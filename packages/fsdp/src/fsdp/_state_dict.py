@@ -20,7 +20,7 @@ while saving (peak: one unit's full parameters plus the result).
 Any other setting (``SHARDED_STATE_DICT``, ``LOCAL_STATE_DICT``, or ``FULL`` with
 ``rank0_only``/``offload_to_cpu``), selected with ``ckpt.state_dict_type``, is
 recorded on each instance (``_state_dict_type``, ``_state_dict_config``) and the
-same four hooks hand over to ``ckpt._fsdp_model_state``. The import is lazy, so
+same four hooks hand over to ``ckpt.fsdp_methods``. The import is lazy, so
 ``import fsdp`` never needs ckpt; a non-default setting can only be made through
 ckpt anyway. What ckpt may rely on while its hooks run is [Note: state-dict
 hand-over] in ``units.py``, and ckpt reads the instance through that public module.
@@ -45,15 +45,27 @@ from fsdp.units import buffer_orig_dtypes
 __all__ = ["ckpt_module", "register_state_dict_hooks"]
 
 
-def ckpt_module(name: str, feature: str) -> ModuleType:
-    """Import ``ckpt.<name>`` for ``feature``; an ImportError saying how to get it."""
+def ckpt_module(feature: str) -> ModuleType:
+    """Import ``ckpt.fsdp_methods`` (ckpt's public hand-over point) for ``feature``.
+
+    An ImportError says how to get ckpt when it is missing or too old to have it.
+    """
     try:
-        return importlib.import_module(f"ckpt.{name}")
+        importlib.import_module("ckpt")
     except ImportError as e:
-        if e.name not in {"ckpt", f"ckpt.{name}"}:
-            raise
+        if e.name != "ckpt":
+            raise  # ckpt is there but broken: its own error says more
         raise ImportError(
             f"{feature} is provided by the ckpt package, which is not installed: pip install ckpt"
+        ) from e
+    try:
+        return importlib.import_module("ckpt.fsdp_methods")
+    except ImportError as e:
+        if e.name != "ckpt.fsdp_methods":
+            raise
+        raise ImportError(
+            f"{feature} needs ckpt.fsdp_methods, which the installed ckpt lacks: "
+            "pip install --upgrade ckpt"
         ) from e
 
 
@@ -67,7 +79,7 @@ def _custom(module: nn.Module) -> ModuleType | None:
         and not getattr(config, "rank0_only", False)
     ):
         return None
-    return ckpt_module("_fsdp_model_state", f"state_dict() with {sd_type.name}")
+    return ckpt_module(f"state_dict() with {sd_type.name}")
 
 
 _CTX = "_fsdp_state_dict_ctx"  # the ExitStack of an open summon, on the FSDP state

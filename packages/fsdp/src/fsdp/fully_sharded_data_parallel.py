@@ -621,7 +621,7 @@ class FullyShardedDataParallel(nn.Module):
         optim_state_dict_config: OptimStateDictConfig | None = None,
     ) -> StateDictSettings:
         """Select the state-dict type of every FSDP instance in ``module``; return the old one."""
-        impl = ckpt_module("_state_dict_type", "FullyShardedDataParallel.set_state_dict_type")
+        impl = ckpt_module("FullyShardedDataParallel.set_state_dict_type")
         settings: StateDictSettings = impl.set_state_dict_type(
             module, state_dict_type, state_dict_config, optim_state_dict_config
         )
@@ -630,7 +630,7 @@ class FullyShardedDataParallel(nn.Module):
     @staticmethod
     def get_state_dict_type(module: nn.Module) -> StateDictSettings:
         """The state-dict settings of the FSDP instances in ``module`` (all must agree)."""
-        impl = ckpt_module("_state_dict_type", "FullyShardedDataParallel.get_state_dict_type")
+        impl = ckpt_module("FullyShardedDataParallel.get_state_dict_type")
         settings: StateDictSettings = impl.get_state_dict_type(module)
         return settings
 
@@ -643,7 +643,7 @@ class FullyShardedDataParallel(nn.Module):
         optim_state_dict_config: OptimStateDictConfig | None = None,
     ) -> Generator[None, None, None]:
         """:meth:`set_state_dict_type` inside the context, the previous setting after it."""
-        impl = ckpt_module("_state_dict_type", "FullyShardedDataParallel.state_dict_type")
+        impl = ckpt_module("FullyShardedDataParallel.state_dict_type")
         with impl.state_dict_type(
             module, state_dict_type, state_dict_config, optim_state_dict_config
         ):
@@ -747,6 +747,6 @@ def _is_fsdp(module: nn.Module) -> bool:
 
 def _ckpt_optim(name: str) -> Callable[..., dict[str, Any]]:
     fn: Callable[..., dict[str, Any]] = getattr(
-        ckpt_module("_fsdp_optim_state", f"FullyShardedDataParallel.{name}"), name
+        ckpt_module(f"FullyShardedDataParallel.{name}"), name
     )
     return fn

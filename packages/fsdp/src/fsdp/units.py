@@ -39,7 +39,7 @@ Under the default (``FULL_STATE_DICT`` without ``rank0_only`` or ``offload_to_cp
 fsdp builds ``state_dict()`` itself (``_state_dict.py``). Any other setting
 (recorded on each instance as ``_state_dict_type`` and ``_state_dict_config`` by
 ``ckpt.state_dict_type``) hands the instance's four state-dict hooks over to
-``ckpt._fsdp_model_state``. While those run, the instance's state dict holds each of
+``ckpt.fsdp_methods``. While those run, the instance's state dict holds each of
 its flat units' shards under ``unit.key`` (also under ``use_orig_params=True``,
 where the original parameters are hidden for the duration), and the keys of the
 wrapped module's contents lie below :func:`wrapped_prefix`. A ``load_state_dict``
