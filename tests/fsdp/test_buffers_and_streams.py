@@ -196,3 +196,258 @@ def test_pinned_memory_only_for_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert pins_host_memory(torch.device("cuda", 0))
     assert not pins_host_memory(torch.device("cpu"))
+
+
+# ----------------------------------------------------------------- streams
+
+# One log for the whole rank: (unit index or -1, what, stream name, detail).
+_LOG: list[tuple[int, str, str, Any]] = []
+# The side stream a fake's ``use`` block made current, and whose unit it is.
+_CURRENT: list[Any] = ["COMPUTE", -1]
+
+
+class _RecordingStreams:
+    """A stand-in for ``CudaStreams``: logs every call; events are numbered tokens."""
+
+    enabled = True
+    _tokens = 0
+
+    def __init__(self, unit: int) -> None:
+        self.unit = unit
+
+    def _log(self, what: str, stream: Any, detail: Any = None) -> None:
+        _LOG.append((self.unit, what, stream.name, detail))
+
+    @contextlib.contextmanager
+    def use(self, stream: Any) -> Iterator[None]:
+        assert _CURRENT[0] == "COMPUTE" and stream.name != "COMPUTE", (_CURRENT, stream)
+        self._log("enter", stream)
+        _CURRENT[:] = [stream.name, self.unit]
+        try:
+            yield
+        finally:
+            _CURRENT[:] = ["COMPUTE", -1]
+            self._log("exit", stream)
+
+    def wait_stream(self, waiter: Any, producer: Any) -> None:
+        self._log("wait_stream", waiter, producer.name)
+
+    def record_event(self, stream: Any) -> int:
+        _RecordingStreams._tokens += 1
+        self._log("record_event", stream, _RecordingStreams._tokens)
+        return _RecordingStreams._tokens
+
+    def wait_event(self, waiter: Any, event: Any) -> None:
+        assert isinstance(event, int), event
+        self._log("wait_event", waiter, event)
+
+    def synchronize(self, event: Any) -> None:
+        _LOG.append((self.unit, "synchronize", "CPU", event))
+
+    def record_stream(self, tensor: Tensor, stream: Any) -> None:
+        self._log("record_stream", stream, _buffer_name(tensor))
+
+
+_UNITS: list[Any] = []
+
+
+def _buffer_name(t: Tensor) -> str:
+    """Which unit buffer ``t`` is (by identity), for the log."""
+    for i, u in enumerate(_UNITS):
+        if t is u._padded_unsharded:
+            return f"gathered{i}"
+        if t is u._padded_grad:
+            return f"padded_grad{i}"
+        if t is u.flat_param.grad:
+            return f"grad{i}"
+    return "other"
+
+
+def _install_recorders(model: Any) -> None:
+    import fsdp._collectives as collectives
+    import fsdp._flat_param_unit as fpu
+
+    _UNITS[:] = _units(model)
+    for i, u in enumerate(_UNITS):
+        u.streams = _RecordingStreams(i)
+        u.use_unsharded_views = _logged(u.use_unsharded_views, i, "views")
+
+    for name in ("all_gather_single", "reduce_scatter_single", "all_reduce"):
+        original = getattr(dist, name)
+
+        def spy(*args: Any, _original: Any = original, _name: str = name, **kwargs: Any) -> Any:
+            _LOG.append((_CURRENT[1], "collective", _CURRENT[0], _name))
+            return _original(*args, **kwargs)
+
+        setattr(dist, name, spy)
+
+    free = fpu._free_storage
+
+    def logged_free(t: Tensor) -> None:
+        if t.untyped_storage().nbytes() != 0:
+            name = _buffer_name(t)
+            digits = name.lstrip("abcdefghijklmnopqrstuvwxyz_")
+            unit = int(digits) if digits else -1  # the buffer's unit, also outside a block
+            _LOG.append((unit, "free", _CURRENT[0], name))
+        free(t)
+
+    fpu._free_storage = logged_free
+    wait = collectives.PendingCollective.wait
+
+    def logged_wait(self: Any) -> None:
+        if self.work is not None and not self.done:
+            _LOG.append((_CURRENT[1], "collective_wait", _CURRENT[0], self.operation))
+        wait(self)
+
+    collectives.PendingCollective.wait = logged_wait  # type: ignore[method-assign]
+
+
+def _logged(fn: Any, unit: int, what: str) -> Any:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        _LOG.append((unit, what, _CURRENT[0], None))
+        return fn(*args, **kwargs)
+
+    return call
+
+
+def _streams_rank(kw_name: str) -> dict[str, Any]:
+    import fsdp
+    from fsdp.wrap import ModuleWrapPolicy
+
+    kws: dict[str, dict[str, Any]] = {
+        "full_shard": {
+            "backward_prefetch": fsdp.BackwardPrefetch.BACKWARD_PRE,
+            "forward_prefetch": True,
+        },
+        "bf16_offload": {
+            "mixed_precision": fsdp.MixedPrecision(
+                param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+            ),
+            "cpu_offload": fsdp.CPUOffload(offload_params=True),
+        },
+        "no_shard": {"sharding_strategy": fsdp.ShardingStrategy.NO_SHARD},
+    }
+    kw = kws[kw_name]
+    data = batches(3)
+    results = []
+    for fake in (False, True):
+        model = fsdp.FullyShardedDataParallel(
+            make_net(), auto_wrap_policy=ModuleWrapPolicy({Block}), **kw
+        )
+        if fake:
+            _install_recorders(model)
+            _LOG.clear()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for x, y in data:
+            loss_fn(model(x), y).backward()
+            _LOG.append((-1, "optimizer_step", "COMPUTE", None))
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+        log = list(_LOG)  # training only: summon below gathers synchronously, on purpose
+        results.append(_full(model))
+    return {"log": log, "exact": max_diff(results[0], results[1]) == 0.0}
+
+
+def _check_stream_log(log: list[tuple[int, str, str, Any]], kw_name: str) -> None:
+    """The orderings of [Note: stream ordering], per unit, over the whole log."""
+    sharded = kw_name != "no_shard"
+    aliased = kw_name == "no_shard"  # fp32, no offload: nothing gathered or cast
+    # 1. Collectives on their streams, issued inside the unit's block; waited on the same.
+    for unit, what, stream, detail in log:
+        if what == "collective":
+            want = "UNSHARD" if detail == "all_gather_single" else "POST_BACKWARD"
+            assert stream == want and unit >= 0, (unit, what, stream, detail)
+        if what == "collective_wait":
+            assert stream in ("UNSHARD", "POST_BACKWARD"), (unit, what, stream, detail)
+    assert any(d == "all_gather_single" for _, w, _, d in log if w == "collective") == sharded
+    assert any(w == "collective" and s == "POST_BACKWARD" for _, w, s, _ in log)
+    units = sorted({u for u, *_ in log if u >= 0})
+    assert len(units) == 4, units
+    for u in units:
+        mine = [(i, what, stream, d) for i, (unit, what, stream, d) in enumerate(log) if unit == u]
+        waited: set[int] = set()
+        gathered_event: int | None = None  # the unshard event not yet waited on by compute
+        reduced: list[int] = []  # post-backward events in order
+        side: str | None = None
+        issued = waited_in_block = grad_recorded = False  # within the current side block
+        for i, what, stream, d in mine:
+            if what == "enter":
+                side, issued, waited_in_block, grad_recorded = stream, False, False, False
+                # the side stream waited for compute just before entering (producer -> consumer)
+                prev = [m for m in mine if m[0] < i][-1]
+                assert prev[1:3] == ("wait_stream", stream) and prev[3] == "COMPUTE", (u, prev)
+            elif what == "exit":
+                side = None
+            elif what == "collective":
+                assert stream == side, (u, i, what, stream, side)
+                # the gradient's memory is recorded for this stream before it is read
+                assert stream == "UNSHARD" or grad_recorded, (u, i, "no record_stream(grad)")
+                issued, waited_in_block = True, False
+            elif what == "collective_wait":
+                waited_in_block = True
+            elif what == "record_event":
+                assert stream == side, (u, i, what, stream, side)
+                # the event marks the collective's end: the side stream waited for it first
+                assert waited_in_block or not issued, (u, i, "event before the collective's wait")
+                if stream == "UNSHARD":
+                    gathered_event = d
+                else:
+                    reduced.append(d)
+            elif what == "wait_event":
+                assert stream == "COMPUTE" and side is None, (u, i, what, stream)
+                waited.add(d)
+                if d == gathered_event:
+                    gathered_event = None
+            elif what == "views" and not aliased:
+                # compute reads the gathered parameters only after waiting on the gather
+                assert gathered_event is None, (u, i, "views before waiting on the gather")
+            elif what == "free" and d.startswith("gathered"):
+                # reshard: after the compute stream waited, and after record_stream(COMPUTE)
+                assert stream == "COMPUTE" and gathered_event is None, (u, i, what)
+                prev = [m for m in mine if m[0] < i][-1]
+                assert prev[1:] == ("record_stream", "COMPUTE", d), (u, i, prev)
+            elif what == "free" and d.startswith("padded_grad"):
+                # freed on the post-backward stream, after that stream waited for the collective
+                assert stream == "POST_BACKWARD", (u, i, what, stream)
+                before = [m[1] for m in mine if m[0] < i]
+                last_issue = max(k for k, w in enumerate(before) if w == "collective")
+                assert "collective_wait" in before[last_issue:], (u, i, before[last_issue:])
+            elif what == "record_stream" and stream == "POST_BACKWARD":
+                assert side == "POST_BACKWARD" and d.startswith(("grad", "other")), (u, i, d)
+                grad_recorded = True
+        # every post-backward event is waited on by compute (before .grad is used)
+        assert reduced and set(reduced) <= waited, (u, reduced, waited)
+    # ... and before the optimizer step after it: all of a backward's reductions are waited
+    # on (and offloaded gradients synchronized) before the step.
+    recorded: dict[int, int] = {}
+    for i, (_, what, stream, d) in enumerate(log):
+        if what == "record_event" and stream == "POST_BACKWARD":
+            recorded[d] = i
+        if what == "optimizer_step":
+            for event, at in recorded.items():
+                waits = [k for k, e in enumerate(log) if e[1] == "wait_event" and e[3] == event]
+                assert waits and waits[0] < i, (event, at, i)
+                if kw_name == "bf16_offload":
+                    syncs = [
+                        k for k, e in enumerate(log) if e[1] == "synchronize" and e[3] == event
+                    ]
+                    assert syncs and syncs[0] < i, ("host gradient not synchronized", event)
+            recorded.clear()
+
+
+@pytest.mark.parametrize("kw_name", ["full_shard", "bf16_offload", "no_shard"])
+def test_stream_ordering_with_a_recording_fake(kw_name: str) -> None:
+    for out in run_ranks(_streams_rank, 2, kw_name, timeout=120):
+        # The CUDA path on CPU tensors computes exactly what the CPU path does.
+        assert out["exact"], kw_name
+        _check_stream_log(out["log"], kw_name)
+
+
+def test_cpu_streams_are_a_no_op() -> None:
+    from fsdp._streams import Stream, Streams, streams_for
+
+    s = streams_for(torch.device("cpu"))
+    assert type(s) is Streams and not s.enabled
+    with s.use(Stream.UNSHARD):
+        pass
+    assert s.record_event(Stream.POST_BACKWARD) is None

@@ -167,6 +167,9 @@ class PendingReduce:
     postdivide: float  # divide ``output`` by this after the collective (1.0: nothing)
     replicate_group: Any = None  # the all-reduce still to issue after ``collective``
     padded: Tensor | None = None  # the unit's reusable padded gradient, if this reads it
+    # On CUDA: the post-backward stream's event after ``output`` is final (reduced, divided,
+    # cast, and under CPUOffload copied to the host); None on the CPU ([Note: stream ordering])
+    event: Any = None
 
     @property
     def has_next_stage(self) -> bool:
@@ -198,6 +201,7 @@ class FlatParamUnit:
     _pinned: bool  # CPUOffload on CUDA: host shard and gradients pinned, copies non-blocking
     _host_grad_event: Any  # a non-blocking copy into flat_param.grad not yet waited for
     streams: Streams  # the device's streams; a no-op on the CPU ([Note: stream ordering])
+    _gathered_event: Any  # the unshard stream's event after the gather (streams enabled)
     _compute_param: Tensor  # 1D [full_numel] compute dtype, autograd leaf
     _pending_unshard: PendingCollective | None  # the all-gather while UNSHARDING
     _placeholders: list[Tensor]  # meta tensors, one per original parameter
@@ -249,6 +253,7 @@ class FlatParamUnit:
         self._padded_grad = None
         self._host_grad_event = None
         self.streams = streams_for(config.compute_device)
+        self._gathered_event = None
         self.flat_param = flat
         self._placeholders = [
             torch.empty(p.shape, dtype=self.compute_dtype, device="meta") for p in params
@@ -345,16 +350,25 @@ class FlatParamUnit:
             return
         padded = self._padded_unsharded
         assert padded is not None
+        streams = self.streams
+        if not streams.enabled:
+            self._pending_unshard = self._gather_into(padded)
+        else:  # see [Note: stream ordering] (unshard, steps 1-2)
+            streams.wait_stream(Stream.UNSHARD, Stream.COMPUTE)
+            with streams.use(Stream.UNSHARD):
+                self._gather_into(padded).wait()  # the unshard stream waits, not the CPU
+                self._gathered_event = streams.record_event(Stream.UNSHARD)
+            self._pending_unshard = PendingCollective(None)
+        self.state = ShardState.UNSHARDING
+
+    def _gather_into(self, padded: Tensor) -> PendingCollective:
+        """Allocate ``padded``'s storage and fill it with every rank's shard (issued)."""
         _alloc_storage(padded, self.layout.padded_numel)
         if not self.config.shard:
             # cast and/or host-to-device copy
             padded.copy_(self.flat_param.detach(), non_blocking=self._pinned)
-            self._pending_unshard = PendingCollective(None)
-        else:
-            self._pending_unshard = all_gather_into(
-                padded, self._all_gather_input(padded), self.config.group
-            )
-        self.state = ShardState.UNSHARDING
+            return PendingCollective(None)
+        return all_gather_into(padded, self._all_gather_input(padded), self.config.group)
 
     def _all_gather_input(self, padded: Tensor) -> Tensor:
         """This rank's chunk, on the compute device, in the compute dtype.
@@ -380,6 +394,9 @@ class FlatParamUnit:
             assert self._pending_unshard is not None
             self._pending_unshard.wait()
             self._pending_unshard = None
+            if self.streams.enabled:  # [Note: stream ordering] (unshard, step 3)
+                self.streams.wait_event(Stream.COMPUTE, self._gathered_event)
+                self._gathered_event = None
             self.state = ShardState.UNSHARDED
         if self.state is not ShardState.UNSHARDED:
             raise AssertionError(
@@ -438,6 +455,9 @@ class FlatParamUnit:
             self.wait_for_unshard()  # never free memory a collective is writing into
         self._use_placeholders()
         if self._padded_unsharded is not None:
+            # [Note: stream ordering] (unshard, step 4): reused only after the compute
+            # stream's reads queued so far.
+            self.streams.record_stream(self._padded_unsharded, Stream.COMPUTE)
             _free_storage(self._padded_unsharded)
         self.state = ShardState.SHARDED
 
@@ -464,7 +484,36 @@ class FlatParamUnit:
         division and runs synchronously (``hook_casts``: the hook handles low
         precision itself, so the gradient is not cast to the reduce dtype).
         Call :meth:`finish_reduce_grad` on the result.
+
+        On CUDA everything from the pre-division to the copy to the host runs
+        on the post-backward stream (see [Note: stream ordering]); a
+        communication hook runs on the current stream, as the caller's code.
         """
+        streams = self.streams
+        if not streams.enabled or comm_hook is not None:
+            return self._issue_reduce(comm_hook, comm_hook_state, hook_casts)
+        grad = self.flat_param.grad if self.aliased else self._compute_param.grad
+        if grad is None or (self.aliased and self.config.world_size == 1):
+            return None  # nothing to reduce: .grad is final as it is
+        # [Note: stream ordering] (gradient reduction, steps 1-3)
+        streams.wait_stream(Stream.POST_BACKWARD, Stream.COMPUTE)
+        with streams.use(Stream.POST_BACKWARD):
+            streams.record_stream(grad, Stream.POST_BACKWARD)
+            reduce = self._issue_reduce(None, None, False)
+            assert reduce is not None
+            self.start_replica_reduce(reduce)
+            reduce.collective.wait()  # the post-backward stream waits, not the CPU
+            self._release_padded_grad(reduce.padded)
+            reduce.padded = None
+            reduce.output = self._final_grad(reduce.output, reduce.postdivide)
+            reduce.postdivide = 1.0
+            reduce.event = streams.record_event(Stream.POST_BACKWARD)
+        return reduce
+
+    def _issue_reduce(
+        self, comm_hook: Callable[..., Any] | None, comm_hook_state: object, hook_casts: bool
+    ) -> PendingReduce | None:
+        """:meth:`reduce_grad` on the current stream."""
         cfg = self.config
         pre, post = self._divide
         if self.aliased:
@@ -571,25 +620,36 @@ class FlatParamUnit:
         ``keep_low_precision_grads``), copied to the CPU under offload, and
         added to any gradient already there (gradient accumulation).
         """
+        if reduce.event is not None:  # [Note: stream ordering] (gradient reduction, step 4)
+            self.streams.wait_event(Stream.COMPUTE, reduce.event)
+            self.streams.record_stream(reduce.output, Stream.COMPUTE)
+            # Under offload the CPU reads the host copy: it waits on the event first.
+            host_event = reduce.event if self.config.offload_params else None
+            self._accumulate_grad(reduce.output, host_event)
+            return
         self.start_replica_reduce(reduce)
         reduce.collective.wait()
         self._release_padded_grad(reduce.padded)
         reduce.padded = None
-        out = reduce.output
-        _div_(out, reduce.postdivide)
-        flat = self.flat_param
+        out = self._final_grad(reduce.output, reduce.postdivide)
+        # A pinned copy on this path: a communication hook's reduction on CUDA.
+        event = self.streams.record_event(Stream.COMPUTE) if self._pinned else None
+        self._accumulate_grad(out, event)
+
+    def _final_grad(self, out: Tensor, postdivide: float) -> Tensor:
+        """The reduced gradient as ``flat_param.grad`` holds it: divided, in the
+        parameter dtype (unless ``keep_low_precision_grads``), on the host under
+        offload (pinned and not yet waited for on CUDA)."""
+        _div_(out, postdivide)
         if out.dtype != self.orig_dtype and not self.config.keep_low_precision_grads:
             out = out.to(self.orig_dtype)
-        event = None
         if self.config.offload_params:
             host = torch.empty(
-                out.shape, dtype=out.dtype, device=flat.device, pin_memory=self._pinned
+                out.shape, dtype=out.dtype, device=self.flat_param.device, pin_memory=self._pinned
             )
             host.copy_(out, non_blocking=self._pinned)
-            if self._pinned:
-                event = self.streams.record_event(Stream.COMPUTE)
             out = host
-        self._accumulate_grad(out, event)
+        return out
 
     def _accumulate_grad(self, out: Tensor, event: Any) -> None:
         """``out`` into ``flat_param.grad``; ``event``: a non-blocking copy into ``out``
