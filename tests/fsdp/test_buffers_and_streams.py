@@ -385,6 +385,9 @@ def _check_stream_log(log: list[tuple[int, str, str, Any]], kw_name: str) -> Non
                 issued, waited_in_block = True, False
             elif what == "collective_wait":
                 waited_in_block = True
+            elif what == "record_event" and stream == "COMPUTE":
+                # only for the CPU's end-of-backward wait under offload
+                assert side is None and kw_name == "bf16_offload", (u, i, what)
             elif what == "record_event":
                 assert stream == side, (u, i, what, stream, side)
                 # the event marks the collective's end: the side stream waited for it first
@@ -420,9 +423,19 @@ def _check_stream_log(log: list[tuple[int, str, str, Any]], kw_name: str) -> Non
     # ... and before the optimizer step after it: all of a backward's reductions are waited
     # on (and offloaded gradients synchronized) before the step.
     recorded: dict[int, int] = {}
+    compute_events: set[int] = set()
+    last_wait = -1
     for i, (_, what, stream, d) in enumerate(log):
         if what == "record_event" and stream == "POST_BACKWARD":
             recorded[d] = i
+        if what == "wait_event":
+            last_wait = i
+        if what == "record_event" and stream == "COMPUTE" and i > last_wait:
+            compute_events.add(d)
+        if what == "optimizer_step" and kw_name == "bf16_offload":
+            # the CPU waited for the compute stream after its last wait on another stream
+            synced = [e for k, e in enumerate(log[:i]) if e[1] == "synchronize" and k > last_wait]
+            assert any(e[3] in compute_events for e in synced), (i, "no end-of-backward sync")
         if what == "optimizer_step":
             for event, at in recorded.items():
                 waits = [k for k, e in enumerate(log) if e[1] == "wait_event" and e[3] == event]

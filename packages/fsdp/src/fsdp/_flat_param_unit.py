@@ -681,6 +681,16 @@ class FlatParamUnit:
             self.streams.synchronize(self._host_grad_event)
             self._host_grad_event = None
 
+    def wait_for_host_copies(self) -> None:
+        """At the end of backward under ``CPUOffload`` on CUDA: the CPU waits for the
+        compute stream, which by then has waited on every gather (whose host-to-device
+        copies read the pinned shard) and every reduction (whose copies wrote the host
+        gradient) of this backward, before the optimizer writes the shard and reads
+        ``.grad`` on the CPU; see [Note: stream ordering], step 5."""
+        self.wait_for_host_grad()
+        if self.config.offload_params and self.streams.enabled:
+            self.streams.synchronize(self.streams.record_event(Stream.COMPUTE))
+
     # --- full parameters outside forward/backward (summon_full_params) ---------------------
 
     def gather_full_precision(self) -> Tensor:

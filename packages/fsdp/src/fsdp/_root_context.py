@@ -118,7 +118,7 @@ class RootContext:
             oldest.unit.finish_reduce_grad(oldest)
         for state in self.states:
             if state.unit is not None:
-                state.unit.wait_for_host_grad()
+                state.unit.wait_for_host_copies()
 
     @property
     def reductions_in_flight(self) -> int:

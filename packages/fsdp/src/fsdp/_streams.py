@@ -52,13 +52,15 @@ Gradient reduction (``FlatParamUnit.reduce_grad`` / ``finish_reduce_grad``):
    from now on ``.grad`` is read and freed on compute) and accumulation.
 5. Under ``CPUOffload`` the CPU itself reads the host gradient (the optimizer
    step, accumulation): it synchronizes on ``reduced`` before ``add_`` into an
-   existing ``.grad``, and at the end of backward
-   (``RootContext.finish_reductions``) for a ``.grad`` that is the copy
-   itself. Likewise the host-to-device copy of an offloaded shard reads the
-   pinned shard asynchronously; the optimizer writes the shard only after
-   backward, which ends after every such copy of the iteration (each unshard
-   is waited for by the compute stream, and the end-of-backward
-   synchronization follows it in stream order).
+   existing ``.grad``. At the end of backward (``RootContext.finish_reductions``)
+   it also synchronizes on an event of the compute stream, which by then has
+   waited on every gather and every reduction of the backward: so the
+   host-to-device copies (which read the pinned shard asynchronously) and the
+   device-to-host gradient copies are done before the optimizer writes the
+   shard and reads ``.grad`` on the CPU. (A gather still in flight then, never
+   waited on by compute, would escape this; prefetching only gathers units
+   whose forward or backward still runs, and ``reshard`` waits on a gather
+   before freeing it.)
 """
 
 from __future__ import annotations
