@@ -464,3 +464,73 @@ def test_cpu_streams_are_a_no_op() -> None:
     with s.use(Stream.UNSHARD):
         pass
     assert s.record_event(Stream.POST_BACKWARD) is None
+
+
+def test_cuda_streams_wiring_with_torch_cuda_stubbed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CudaStreams' calls into torch.cuda, with torch.cuda stubbed: which stream
+    object waits on which, which is current inside ``use``, and the guards."""
+    import fsdp._streams as streams_mod
+    from fsdp._streams import CudaStreams, Stream, streams_for
+
+    calls: list[tuple[Any, ...]] = []
+    current: list[Any] = []
+
+    class FakeStream:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def wait_stream(self, other: FakeStream) -> None:
+            calls.append(("wait_stream", self.name, other.name))
+
+        def wait_event(self, event: FakeEvent) -> None:
+            calls.append(("wait_event", self.name, event.on))
+
+    class FakeEvent:
+        on = ""
+
+        def record(self, stream: FakeStream) -> None:
+            self.on = stream.name
+
+        def synchronize(self) -> None:
+            calls.append(("synchronize", self.on))
+
+    compute = FakeStream("compute")
+    made = iter(["side0", "side1"])
+
+    @contextlib.contextmanager
+    def stream(s: FakeStream) -> Iterator[None]:
+        current.append(s)
+        try:
+            yield
+        finally:
+            current.pop()
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: FakeStream(next(made)))
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: (current or [compute])[-1])
+    monkeypatch.setattr(torch.cuda, "stream", stream)
+    monkeypatch.setattr(streams_mod, "_by_device", {})
+
+    dev = torch.device("cuda", 0)
+    s = streams_for(dev)
+    assert isinstance(s, CudaStreams) and s.enabled and streams_for(dev) is s
+    s.wait_stream(Stream.UNSHARD, Stream.COMPUTE)  # creates the unshard stream: side0
+    with s.use(Stream.UNSHARD):
+        assert current[-1].name == "side0"
+        event = s.record_event(Stream.UNSHARD)
+        with pytest.raises(AssertionError, match="compute stream"):
+            s.wait_event(Stream.COMPUTE, event)  # COMPUTE is not the current one in here
+        with pytest.raises(AssertionError):
+            s.use(Stream.POST_BACKWARD).__enter__()  # no nesting
+    assert not current
+    s.wait_event(Stream.COMPUTE, event)
+    s.wait_stream(Stream.POST_BACKWARD, Stream.COMPUTE)  # side1
+    s.synchronize(s.record_event(Stream.POST_BACKWARD))
+    s.record_stream(torch.ones(2), Stream.COMPUTE)  # a CPU tensor: nothing to record
+    assert calls == [
+        ("wait_stream", "side0", "compute"),
+        ("wait_event", "compute", "side0"),
+        ("wait_stream", "side1", "compute"),
+        ("synchronize", "side1"),
+    ]
