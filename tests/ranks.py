@@ -55,7 +55,11 @@ Three layers, outermost last:
 
 Environment:
 - ``RANKS_BACKEND``: the process-group backend (default ``gloo``; ``nccl`` also
-  binds each rank to ``cuda:rank``).
+  binds each rank to ``cuda:rank`` and needs a GPU per rank: on a one-GPU machine
+  NCCL runs at world size 1 only). Every rank gets ``LOCAL_RANK=rank`` as under
+  torchrun, whatever the backend; a test that runs several gloo ranks on one GPU
+  must name ``cuda:0`` (``device_id=0``) itself, since ``cuda:LOCAL_RANK`` does
+  not exist there (``tests/gpu/test_cuda.py``).
 - ``RANKS_SHOW_OUTPUT=1``: print every rank's stdout/stderr after every call,
   not only after a failure.
 """
@@ -577,7 +581,14 @@ def _rank_main(job: _RankJob) -> None:
             os.environ["GLOO_SOCKET_IFNAME"] = "lo"
         torch.set_num_threads(1)
         if backend == "nccl":
-            torch.cuda.set_device(rank % torch.cuda.device_count())
+            gpus = torch.cuda.device_count()
+            if world_size > gpus:
+                raise RuntimeError(
+                    f"{BACKEND_ENV}=nccl at world size {world_size} needs a GPU per rank, "
+                    f"this machine has {gpus}: NCCL refuses two ranks on one GPU; use "
+                    "world size 1, or gloo with every rank on cuda:0"
+                )
+            torch.cuda.set_device(rank)
         if job.rewritten is not None:
             _import_rewritten(*job.rewritten)
         fn, args, kwargs = pickle.loads(job.payload)

@@ -169,6 +169,10 @@ def _gloo_cuda_rank() -> dict[str, Any]:
         out["chosen"] = str(default_cuda_device())
     except RuntimeError as e:
         out["chosen"] = str(e)
+    # One GPU for every rank: tests/ranks.py sets LOCAL_RANK=rank, which on a one-GPU
+    # machine names no device for rank 1, so nothing below may depend on it: the current
+    # device, FSDP's device_id and every tensor name cuda:0 explicitly.
+    torch.cuda.set_device(0)
     device = torch.device("cuda", 0)
     batches = data(STEPS, rank, device)
     plain = make().to(device)
@@ -178,8 +182,9 @@ def _gloo_cuda_rank() -> dict[str, Any]:
         make(),
         auto_wrap_policy=ModuleWrapPolicy({Block}),
         sharding_strategy=ShardingStrategy.NO_SHARD,
-        device_id=device,
+        device_id=0,  # an int, as users pass it; LOCAL_RANK is not consulted
     )
+    assert model._fsdp_state.compute_device == device
     _train(model, torch.optim.AdamW(model.parameters(), lr=1e-3), batches, avg=False)
     out["no_shard"] = _diff(_full(model), want)
     net = make().to(device)
@@ -243,6 +248,9 @@ def _nccl_rank(folder: str) -> dict[str, Any]:
     fresh = FSDP(make(seed=1), auto_wrap_policy=ModuleWrapPolicy({Block}))
     ckpt.load({"model": fresh}, Path(folder) / "c")
     out["ckpt_diff"] = _diff(_full(fresh), _full(model))
+    # Back on this rank's GPU, so that the harness's exit barrier (which NCCL issues on
+    # the current device) does not put both ranks on cuda:0.
+    torch.cuda.set_device(device)
     return out
 
 

@@ -15,6 +15,10 @@ for it without blocking the CPU. Either way two rules keep it correct:
 2. Nobody reads an output before ``wait()``: callers own the pending object and
    wait before they use the result (see ``FlatParamUnit.wait_for_unshard`` and
    ``FlatParamUnit.finish_reduce_grad``).
+On CUDA a unit issues its collectives inside its unshard or post-backward
+stream and calls ``wait()`` there at once, so that side stream (not the CPU)
+waits, and hands the result to the compute stream with an event; see [Note:
+stream ordering] in ``_streams.py``.
 """
 
 from __future__ import annotations

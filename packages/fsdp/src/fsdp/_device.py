@@ -20,7 +20,7 @@ import os
 
 import torch
 
-__all__ = ["default_cuda_device"]
+__all__ = ["default_cuda_device", "pins_host_memory"]
 
 
 def default_cuda_device() -> torch.device:
@@ -50,3 +50,14 @@ def default_cuda_device() -> torch.device:
             "(check CUDA_VISIBLE_DEVICES and --nproc-per-node)"
         )
     return torch.device("cuda", index)
+
+
+def pins_host_memory(compute_device: torch.device) -> bool:
+    """Whether ``CPUOffload`` shards and gradients live in pinned (page-locked) host memory.
+
+    Only a CUDA compute device gains from it: copies between pinned host memory
+    and the GPU run asynchronously (``non_blocking=True``) instead of stalling
+    the CPU. On a CPU compute device the "host" and the "device" are one memory,
+    so nothing is pinned and nothing changes.
+    """
+    return compute_device.type == "cuda" and torch.cuda.is_available()

@@ -100,7 +100,6 @@ from flatparam import (
     ParamInfo,
     ShardLayout,
     SharedParamInfo,
-    pad_flat,
     shard_flat,
     unpad_flat,
 )
@@ -111,7 +110,9 @@ from fsdp._collectives import (
     gradient_divide_factors,
     reduce_scatter_into,
 )
+from fsdp._device import pins_host_memory
 from fsdp._orig_params import OrigParams
+from fsdp._streams import Stream, Streams, streams_for
 
 __all__ = ["FlatParamUnit", "PendingReduce", "ShardState", "UnitConfig"]
 
@@ -165,6 +166,10 @@ class PendingReduce:
     output: Tensor  # 1D: the reduced gradient (sharded, or full for NO_SHARD), reduce dtype
     postdivide: float  # divide ``output`` by this after the collective (1.0: nothing)
     replicate_group: Any = None  # the all-reduce still to issue after ``collective``
+    padded: Tensor | None = None  # the unit's reusable padded gradient, if this reads it
+    # On CUDA: the post-backward stream's event after ``output`` is final (reduced, divided,
+    # cast, and under CPUOffload copied to the host); None on the CPU ([Note: stream ordering])
+    event: Any = None
 
     @property
     def has_next_stage(self) -> bool:
@@ -190,6 +195,13 @@ class FlatParamUnit:
     reduce_dtype: torch.dtype  # dtype of the gradient reduction
     aliased: bool  # _compute_param is flat_param (nothing to gather or cast)
     _padded_unsharded: Tensor | None  # 1D [padded_numel] compute dtype; None when aliased
+    # 1D [padded_numel] reduce dtype: the reduce-scatter's input, reused every backward;
+    # storage allocated only while a reduction reads it ([Note: gradient padding])
+    _padded_grad: Tensor | None
+    _pinned: bool  # CPUOffload on CUDA: host shard and gradients pinned, copies non-blocking
+    _host_grad_event: Any  # a non-blocking copy into flat_param.grad not yet waited for
+    streams: Streams  # the device's streams; a no-op on the CPU ([Note: stream ordering])
+    _gathered_event: Any  # the unshard stream's event after the gather (streams enabled)
     _compute_param: Tensor  # 1D [full_numel] compute dtype, autograd leaf
     _pending_unshard: PendingCollective | None  # the all-gather while UNSHARDING
     _placeholders: list[Tensor]  # meta tensors, one per original parameter
@@ -234,6 +246,14 @@ class FlatParamUnit:
         sharded_data = shard_flat(flat.detach(), self.layout, rank) if config.shard else flat.data
         param_device = torch.device("cpu") if config.offload_params else config.compute_device
         flat.data = sharded_data.to(param_device)
+        self._pinned = config.offload_params and pins_host_memory(config.compute_device)
+        if self._pinned:
+            # Page-locked, so the host-to-device copy at each unshard is asynchronous.
+            flat.data = flat.data.pin_memory()
+        self._padded_grad = None
+        self._host_grad_event = None
+        self.streams = streams_for(config.compute_device)
+        self._gathered_event = None
         self.flat_param = flat
         self._placeholders = [
             torch.empty(p.shape, dtype=self.compute_dtype, device="meta") for p in params
@@ -330,30 +350,41 @@ class FlatParamUnit:
             return
         padded = self._padded_unsharded
         assert padded is not None
-        _alloc_storage(padded, self.layout.padded_numel)
-        if not self.config.shard:
-            padded.copy_(self.flat_param.detach())  # cast and/or host-to-device copy
+        streams = self.streams
+        if not streams.enabled:
+            self._pending_unshard = self._gather_into(padded)
+        else:  # see [Note: stream ordering] (unshard, steps 1-2)
+            streams.wait_stream(Stream.UNSHARD, Stream.COMPUTE)
+            with streams.use(Stream.UNSHARD):
+                self._gather_into(padded).wait()  # the unshard stream waits, not the CPU
+                self._gathered_event = streams.record_event(Stream.UNSHARD)
             self._pending_unshard = PendingCollective(None)
-        else:
-            self._pending_unshard = all_gather_into(
-                padded, self._all_gather_input(), self.config.group
-            )
         self.state = ShardState.UNSHARDING
 
-    def _all_gather_input(self) -> Tensor:
-        """This rank's chunk, on the compute device, in the compute dtype."""
+    def _gather_into(self, padded: Tensor) -> PendingCollective:
+        """Allocate ``padded``'s storage and fill it with every rank's shard (issued)."""
+        _alloc_storage(padded, self.layout.padded_numel)
+        if not self.config.shard:
+            # cast and/or host-to-device copy
+            padded.copy_(self.flat_param.detach(), non_blocking=self._pinned)
+            return PendingCollective(None)
+        return all_gather_into(padded, self._all_gather_input(padded), self.config.group)
+
+    def _all_gather_input(self, padded: Tensor) -> Tensor:
+        """This rank's chunk, on the compute device, in the compute dtype.
+
+        The shard itself when it already is both; otherwise the cast and/or
+        host-to-device copy goes straight into this rank's slot of the gathered
+        buffer, and the all-gather runs in place (its input is part of its
+        output, which NCCL and gloo both allow): no per-unshard cast buffer.
+        """
         shard = self.flat_param.detach()
-        if self.config.offload_params:
-            # Always a fresh device-side copy: the bookkeeping is the same whether the
-            # compute device is a GPU or (in CPU-only tests) the CPU itself.
-            dev = torch.empty(
-                shard.shape, dtype=self.compute_dtype, device=self.config.compute_device
-            )
-            dev.copy_(shard, non_blocking=True)
-            return dev
-        if shard.dtype != self.compute_dtype:
-            return shard.to(self.compute_dtype)
-        return shard
+        if not self.config.offload_params and shard.dtype == self.compute_dtype:
+            return shard
+        start, end = self.layout.bounds(self.config.rank)
+        slot = padded[start:end]
+        slot.copy_(shard, non_blocking=self._pinned)
+        return slot
 
     def wait_for_unshard(self) -> None:
         """Finish the gather (UNSHARDING -> UNSHARDED); the unit must not be SHARDED."""
@@ -363,6 +394,9 @@ class FlatParamUnit:
             assert self._pending_unshard is not None
             self._pending_unshard.wait()
             self._pending_unshard = None
+            if self.streams.enabled:  # [Note: stream ordering] (unshard, step 3)
+                self.streams.wait_event(Stream.COMPUTE, self._gathered_event)
+                self._gathered_event = None
             self.state = ShardState.UNSHARDED
         if self.state is not ShardState.UNSHARDED:
             raise AssertionError(
@@ -421,6 +455,9 @@ class FlatParamUnit:
             self.wait_for_unshard()  # never free memory a collective is writing into
         self._use_placeholders()
         if self._padded_unsharded is not None:
+            # [Note: stream ordering] (unshard, step 4): reused only after the compute
+            # stream's reads queued so far.
+            self.streams.record_stream(self._padded_unsharded, Stream.COMPUTE)
             _free_storage(self._padded_unsharded)
         self.state = ShardState.SHARDED
 
@@ -447,7 +484,36 @@ class FlatParamUnit:
         division and runs synchronously (``hook_casts``: the hook handles low
         precision itself, so the gradient is not cast to the reduce dtype).
         Call :meth:`finish_reduce_grad` on the result.
+
+        On CUDA everything from the pre-division to the copy to the host runs
+        on the post-backward stream (see [Note: stream ordering]); a
+        communication hook runs on the current stream, as the caller's code.
         """
+        streams = self.streams
+        if not streams.enabled or comm_hook is not None:
+            return self._issue_reduce(comm_hook, comm_hook_state, hook_casts)
+        grad = self.flat_param.grad if self.aliased else self._compute_param.grad
+        if grad is None or (self.aliased and self.config.world_size == 1):
+            return None  # nothing to reduce: .grad is final as it is
+        # [Note: stream ordering] (gradient reduction, steps 1-3)
+        streams.wait_stream(Stream.POST_BACKWARD, Stream.COMPUTE)
+        with streams.use(Stream.POST_BACKWARD):
+            streams.record_stream(grad, Stream.POST_BACKWARD)
+            reduce = self._issue_reduce(None, None, False)
+            assert reduce is not None
+            self.start_replica_reduce(reduce)
+            reduce.collective.wait()  # the post-backward stream waits, not the CPU
+            self._release_padded_grad(reduce.padded)
+            reduce.padded = None
+            reduce.output = self._final_grad(reduce.output, reduce.postdivide)
+            reduce.postdivide = 1.0
+            reduce.event = streams.record_event(Stream.POST_BACKWARD)
+        return reduce
+
+    def _issue_reduce(
+        self, comm_hook: Callable[..., Any] | None, comm_hook_state: object, hook_casts: bool
+    ) -> PendingReduce | None:
+        """:meth:`reduce_grad` on the current stream."""
         cfg = self.config
         pre, post = self._divide
         if self.aliased:
@@ -472,9 +538,9 @@ class FlatParamUnit:
         if grad is None:
             return None
         self._compute_param.grad = None
-        if grad.dtype != self.reduce_dtype and not hook_casts:
-            grad = grad.to(self.reduce_dtype)
         if not cfg.shard:
+            if grad.dtype != self.reduce_dtype and not hook_casts:
+                grad = grad.to(self.reduce_dtype)
             if comm_hook is not None:
                 comm_hook(comm_hook_state, grad)
                 return PendingReduce(self, PendingCollective(None), grad, 1.0)
@@ -483,14 +549,52 @@ class FlatParamUnit:
             _div_(grad, pre)
             pending = all_reduce_inplace(grad, cfg.group, cfg.world_size)
             return PendingReduce(self, pending, grad, post)
-        padded = grad if self.layout.padded_numel == grad.numel() else pad_flat(grad, self.layout)
+        padded = self._padded_gradient(grad, grad.dtype if hook_casts else self.reduce_dtype)
+        reused = padded if padded is self._padded_grad else None
         output = torch.empty(self.layout.shard_numel, dtype=padded.dtype, device=padded.device)
         if comm_hook is not None:
             comm_hook(comm_hook_state, padded, output)
+            self._release_padded_grad(reused)
             return PendingReduce(self, PendingCollective(None), output, 1.0)
         _div_(padded, pre)
         pending = reduce_scatter_into(output, padded, cfg.group)
-        return PendingReduce(self, pending, output, post, cfg.replicate_group)
+        return PendingReduce(self, pending, output, post, cfg.replicate_group, reused)
+
+    def _padded_gradient(self, grad: Tensor, dtype: torch.dtype) -> Tensor:
+        """The reduce-scatter's input: ``grad`` padded to ``padded_numel`` in ``dtype``.
+
+        [Note: gradient padding]
+        ``grad`` itself when it already is both (no copy); otherwise one copy,
+        which casts and pads at once, into ``_padded_grad``: the same tensor
+        every backward, whose storage exists only while a reduction reads it
+        (allocated here, freed by :meth:`_release_padded_grad` once the
+        reduce-scatter has completed), so the memory between backward passes
+        is what it was, and on CUDA the block comes back from the caching
+        allocator. Only the padding tail (under ``world_size`` elements) is
+        zeroed. If a reduction of this unit still reads it (reentrant
+        activation checkpointing reduces twice in one backward), this one gets
+        a buffer of its own instead of overwriting it.
+        """
+        layout = self.layout
+        if layout.padded_numel == grad.numel() and grad.dtype == dtype:
+            return grad
+        buf = self._padded_grad
+        if buf is None or buf.dtype != dtype:
+            buf = torch.empty(layout.padded_numel, dtype=dtype, device=grad.device)
+            _free_storage(buf)
+            self._padded_grad = buf
+        if buf.untyped_storage().nbytes() != 0:  # in flight: see the docstring
+            buf = torch.empty(layout.padded_numel, dtype=dtype, device=grad.device)
+        else:
+            _alloc_storage(buf, layout.padded_numel)
+        buf[: layout.full_numel].copy_(grad)
+        buf[layout.full_numel :].zero_()
+        return buf
+
+    def _release_padded_grad(self, padded: Tensor | None) -> None:
+        """Free the reusable padded gradient once no collective reads it any more."""
+        if padded is not None and padded is self._padded_grad:
+            _free_storage(padded)
 
     def start_replica_reduce(self, reduce: PendingReduce) -> None:
         """Hybrid sharding: wait for the reduce-scatter, issue the all-reduce across replicas.
@@ -502,6 +606,8 @@ class FlatParamUnit:
         if reduce.replicate_group is None:
             return
         reduce.collective.wait()
+        self._release_padded_grad(reduce.padded)
+        reduce.padded = None
         reduce.collective = all_reduce_inplace(
             reduce.output, reduce.replicate_group, self.config.replicate_size
         )
@@ -514,18 +620,48 @@ class FlatParamUnit:
         ``keep_low_precision_grads``), copied to the CPU under offload, and
         added to any gradient already there (gradient accumulation).
         """
+        if reduce.event is not None:  # [Note: stream ordering] (gradient reduction, step 4)
+            self.streams.wait_event(Stream.COMPUTE, reduce.event)
+            self.streams.record_stream(reduce.output, Stream.COMPUTE)
+            # Under offload the CPU reads the host copy: it waits on the event first.
+            host_event = reduce.event if self.config.offload_params else None
+            self._accumulate_grad(reduce.output, host_event)
+            return
         self.start_replica_reduce(reduce)
         reduce.collective.wait()
-        out = reduce.output
-        _div_(out, reduce.postdivide)
-        flat = self.flat_param
+        self._release_padded_grad(reduce.padded)
+        reduce.padded = None
+        out = self._final_grad(reduce.output, reduce.postdivide)
+        # A pinned copy on this path: a communication hook's reduction on CUDA.
+        event = self.streams.record_event(Stream.COMPUTE) if self._pinned else None
+        self._accumulate_grad(out, event)
+
+    def _final_grad(self, out: Tensor, postdivide: float) -> Tensor:
+        """The reduced gradient as ``flat_param.grad`` holds it: divided, in the
+        parameter dtype (unless ``keep_low_precision_grads``), on the host under
+        offload (pinned and not yet waited for on CUDA)."""
+        _div_(out, postdivide)
         if out.dtype != self.orig_dtype and not self.config.keep_low_precision_grads:
             out = out.to(self.orig_dtype)
         if self.config.offload_params:
-            host = torch.empty(out.shape, dtype=out.dtype, device=flat.device)
-            host.copy_(out)
+            host = torch.empty(
+                out.shape, dtype=out.dtype, device=self.flat_param.device, pin_memory=self._pinned
+            )
+            host.copy_(out, non_blocking=self._pinned)
             out = host
+        return out
+
+    def _accumulate_grad(self, out: Tensor, event: Any) -> None:
+        """``out`` into ``flat_param.grad``; ``event``: a non-blocking copy into ``out``
+        (host memory) still to complete, see [Note: stream ordering]."""
+        flat = self.flat_param
+        if flat.grad is not None or self._host_grad_event is not None:
+            self.wait_for_host_grad()  # the CPU is about to read .grad
+        if event is not None and flat.grad is not None:
+            self.streams.synchronize(event)  # ... and out
+            event = None
         if flat.grad is None:
+            self._host_grad_event = event  # waited for before anyone reads .grad
             if out.dtype == flat.dtype:
                 flat.grad = out
             else:  # keep_low_precision_grads: .grad's dtype may differ only via .data
@@ -533,6 +669,27 @@ class FlatParamUnit:
                 flat.grad.data = out
         else:
             flat.grad.add_(out)
+
+    def wait_for_host_grad(self) -> None:
+        """Block the CPU until a non-blocking copy into the host ``.grad`` has landed.
+
+        Called before the CPU reads an offloaded gradient: by the root at the
+        end of backward (``RootContext.finish_reductions``), and before
+        accumulating into it. A no-op without ``CPUOffload`` on CUDA.
+        """
+        if self._host_grad_event is not None:
+            self.streams.synchronize(self._host_grad_event)
+            self._host_grad_event = None
+
+    def wait_for_host_copies(self) -> None:
+        """At the end of backward under ``CPUOffload`` on CUDA: the CPU waits for the
+        compute stream, which by then has waited on every gather (whose host-to-device
+        copies read the pinned shard) and every reduction (whose copies wrote the host
+        gradient) of this backward, before the optimizer writes the shard and reads
+        ``.grad`` on the CPU; see [Note: stream ordering], step 5."""
+        self.wait_for_host_grad()
+        if self.config.offload_params and self.streams.enabled:
+            self.streams.synchronize(self.streams.record_event(Stream.COMPUTE))
 
     # --- full parameters outside forward/backward (summon_full_params) ---------------------
 

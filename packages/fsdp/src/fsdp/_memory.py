@@ -23,7 +23,11 @@ accumulates in place). With ``CPUOffload(offload_params=True)`` parameters,
 gradients and optimizer state live in host memory. ``use_orig_params=True``
 optimizer state covers this rank's pieces without the padding (at most
 ``ceil(T_u / W)``). Adam's ``step`` counters (one scalar per parameter) are
-not counted.
+not counted. Nothing else is held between steps: the mixed-precision cast and
+the offloaded shard's copy go straight into ``gathered`` (an in-place
+all-gather), and the padded gradient a reduction reads (``W * ceil(T_u / W)``
+elements of the reduce dtype, one per reduction in flight) exists only during
+backward (``_flat_param_unit.py``, [Note: gradient padding]).
 
 ``accounting="zero"`` answers with the ZeRO paper's model instead (Rajbhandari
 et al. 2020, Figure 1, for mixed-precision Adam): ``2`` bytes of fp16

@@ -107,10 +107,18 @@ class RootContext:
             oldest.unit.finish_reduce_grad(oldest)
 
     def finish_reductions(self) -> None:
-        """Complete every reduction in flight, oldest first."""
+        """Complete every reduction in flight, oldest first.
+
+        Then the CPU waits for the gradients copied to pinned host memory
+        without blocking (``CPUOffload`` on CUDA), since the optimizer reads
+        them next; see [Note: stream ordering] in ``_streams.py``.
+        """
         while self._reductions:
             oldest = self._reductions.popleft()
             oldest.unit.finish_reduce_grad(oldest)
+        for state in self.states:
+            if state.unit is not None:
+                state.unit.wait_for_host_copies()
 
     @property
     def reductions_in_flight(self) -> int:
