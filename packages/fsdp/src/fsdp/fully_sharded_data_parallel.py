@@ -308,6 +308,7 @@ class FullyShardedDataParallel(nn.Module):
             use_orig_params=use_orig_params,
         )
         del collected  # the original parameters: free them before the enclosing unit is built
+        _init.release_freed_host_memory()  # see [Note: construction RSS]
         if auto_wrap_policy is not None:  # this constructor marked them
             _init.clear_tied_marks(module, tied)
         self._fsdp_wrapped_module = module
