@@ -103,7 +103,7 @@ def _rank(model_kwargs: dict[str, int], warmup: int, iters: int) -> dict[str, An
 def run(options: Options) -> list[Table]:
     """Both variants in turns; median step and exposed waits per step (rank 0)."""
     model = QUICK_MODEL if options.quick else MODEL
-    warmup, iters = (1, 3) if options.quick else (2, 10)
+    warmup, iters = (1, 3) if options.quick else (2, 10 * options.repeats)
     ranks = launch(_rank, 2, model, warmup, iters)
     table = Table(
         f"our FSDP FULL_SHARD, GPT({', '.join(f'{k}={v}' for k, v in model.items())}), 2 ranks, "
