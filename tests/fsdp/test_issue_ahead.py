@@ -17,7 +17,9 @@ pre-hook on the wrapped module). From them the tests check:
 - a forward whose order differs from the previous one (a conditional branch
   switched on and off, the same on every rank) falls back to gathering on
   demand where it diverges, trains exactly as a plain model with averaged
-  gradients, and every rank issues the same all-gathers in the same order.
+  gradients, and every rank issues the same all-gathers in the same order;
+  forwards without gradients (evaluation) with either order give the plain
+  model's outputs, leave nothing gathered and do not change the order.
 World sizes 2 and 4; about 5 s in all.
 """
 
@@ -250,7 +252,19 @@ def _rank_branch(strategy: str) -> dict[str, Any]:
             opt.step()
             opt.zero_grad()
             losses.append(loss.item())
+    # Evaluation without gradients, the branch on, then off: not recorded, same outputs.
+    eval_diffs = []
+    with torch.no_grad():
+        for detour in (True, False, True):
+            _set_detour(ref, detour)
+            _set_detour(model, detour)
+            x = data[0][0]
+            rec.events = []
+            eval_diffs.append((rec.forward(x) - ref(x)).abs().max().item())
+            assert rec.gathered() == [], rec.gathered()  # nothing left gathered, either strategy
     return {
+        "eval_diffs": eval_diffs,
+        "eval_order": len(model._fsdp_state.ctx.exec_order.forward_order),
         "events": per_iter,
         "losses": losses,
         "ref_losses": ref_losses,
@@ -287,6 +301,8 @@ def test_order_change_falls_back(world_size: int, strategy: str) -> None:
         # ran gathered until their backward anyway: issuing ahead adds at most one more.
         assert r["max_gathered"] == (2 if strategy == "FULL_SHARD" else 3), r
         assert r["changes"] == 4, r  # iterations 2, 4, 5 and 6 switch the branch
+        assert max(r["eval_diffs"]) <= (0.0 if world_size == 2 else 1e-5), r
+        assert r["eval_order"] == 3, r  # the last training forward's, not evaluation's
     events = ranks[0]["events"]
     short, long = ["root", "a", "b"], ["root", "a", "c", "b"]
     if strategy == "FULL_SHARD":
