@@ -28,7 +28,9 @@ All with AdamW, fp32, gloo on the CPU, the same GPT and batches. Columns:
   C++, is added as the gradient bytes); x DDP: over plain DDP's ``2Ψ(N-1)/N``.
 
 ``--quick`` runs one tiny model with few steps: it checks that the benchmark
-works, not what it measures. A full run launches about 60 groups of rank
+works, not what it measures. ``BENCH_SCALE_FAMILIES=full,sgo`` and
+``BENCH_SCALE_WORLD_SIZES=2`` (environment, comma-separated) run a part of
+the table (e.g. the FSDP rows at 2 ranks). A full run launches about 60 groups of rank
 processes (about 45 min on a loaded 2-core machine).
 """
 
@@ -258,6 +260,20 @@ def _peak_rss(variants: list[str], world: int, model: dict[str, int]) -> dict[st
         return dict(zip(variants, peaks, strict=True))
 
 
+def _selected(env: str, default: list[str]) -> list[str]:
+    """The comma-separated values of environment variable ``env`` (all of ``default`` if unset)."""
+    import os
+
+    raw = os.environ.get(env, "")
+    if not raw:
+        return default
+    chosen = [v.strip() for v in raw.split(",") if v.strip()]
+    unknown = [v for v in chosen if v not in default]
+    if unknown:
+        raise ValueError(f"{env}: unknown {unknown}; choose from {default}")
+    return chosen
+
+
 def _quantile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[int(q * 100) - 1]
 
@@ -284,9 +300,11 @@ def run(options: Options) -> list[Table]:
             "x DDP",
         ],
     )
+    families = _selected("BENCH_SCALE_FAMILIES", list(FAMILIES))
+    worlds = [int(w) for w in _selected("BENCH_SCALE_WORLD_SIZES", [str(w) for w in WORLD_SIZES])]
     for label, model in sizes.items():
-        for world in WORLD_SIZES:
-            for variants in FAMILIES.values():
+        for world in worlds:
+            for variants in (FAMILIES[f] for f in families):
                 per_step: dict[str, list[float]] = {v: [] for v in variants}
                 ranks: list[Any] = []
                 for _ in range(options.repeats):

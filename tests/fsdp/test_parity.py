@@ -56,6 +56,10 @@ CONFIGS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
         },
         {},
     ),
+    "full_wrap_nolimit": (
+        {"sharding_strategy": "FULL_SHARD", "wrap": True, "limit_all_gathers": False},
+        {},
+    ),
     "sgo_wrap_nolimit": (
         {"sharding_strategy": "SHARD_GRAD_OP", "wrap": True, "limit_all_gathers": False},
         {},

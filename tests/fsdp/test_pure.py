@@ -65,22 +65,41 @@ def test_collectives_of_one_rank_copy() -> None:
 
 def test_exec_order() -> None:
     order: ExecOrder[str] = ExecOrder()
-    for key in ["root", "a", "b"]:
-        order.record_pre_forward(key)
-    for key in ["a", "b", "a", "root"]:  # "a" twice: recorded once
+    # First forward: nothing recorded, nothing issued ahead; a unit run twice counts once.
+    order.start_forward()
+    assert [order.forward_step(k) for k in ["root", "a", "b", "a"]] == [None] * 4
+    for key in ["a", "b", "a", "root"]:
         order.record_post_forward(key)
-    # Backward order is usable before freezing; forward order only after.
+    assert order.end_forward(record=True)
+    assert order.forward_order == ["root", "a", "b"]
+    # Backward order: this iteration's reversed post-forward order.
     assert order.next_backward("root") == "b"
     assert order.next_backward("b") == "a"
     assert order.next_backward("a") is None
-    assert order.next_forward("root") is None
-    order.freeze()
-    assert order.frozen
-    assert order.next_forward("root") == "a"
-    assert order.next_forward("b") is None
-    order.record_pre_forward("c")  # frozen: no more recording
-    assert order.forward_order == ["root", "a", "b"]
-    assert order.next_forward("unknown") is None
+    order.end_backward()
+    assert order.next_backward("root") is None
+    # Same order again: each unit names the next one; the last none.
+    order.start_forward()
+    assert [order.forward_step(k) for k in ["root", "a", "a", "b"]] == ["a", "b", None, None]
+    assert not order.end_forward(record=True)
+    assert order.changes == 0
+    # A branch: "c" instead of "a". Diverged from there on; the new order is kept.
+    order.start_forward()
+    assert order.forward_step("root") == "a"
+    assert order.forward_step("c") is None
+    assert order.diverged
+    assert order.forward_step("b") is None  # matches position 2, but the forward diverged
+    assert order.end_forward(record=True)
+    assert order.forward_order == ["root", "c", "b"] and order.changes == 1
+    # Fewer units than recorded: a change; a forward without gradients is not recorded.
+    order.start_forward()
+    assert order.forward_step("root") == "c"
+    assert order.end_forward(record=False)
+    assert order.forward_order == ["root", "c", "b"]
+    order.start_forward()
+    assert order.forward_step("root") == "c"
+    assert order.end_forward(record=True)
+    assert order.forward_order == ["root"] and order.changes == 2
 
 
 class Pair(NamedTuple):

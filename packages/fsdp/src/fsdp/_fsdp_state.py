@@ -11,13 +11,16 @@ changes form. The root instance additionally creates the shared
 For a unit ``u`` with parameters (FULL_SHARD unless noted):
 1. root pre-forward (root only): lazy init, inputs to the compute device and
    cast for mixed precision.
-2. ``u`` pre-forward: all-gather (unless already gathered or prefetched),
-   wait, set the modules' parameter views; forward-prefetch the next unit.
+2. ``u`` pre-forward: all-gather (unless already gathered or issued ahead),
+   wait, set the modules' parameter views; issue the all-gather of the unit
+   whose forward comes next (see [Note: issue-ahead] in ``_root_context.py``).
 3. ``u`` post-forward: register a pre-backward hook on every output tensor
    that requires grad; free the gathered parameters unless ``u`` is the root
    or SHARD_GRAD_OP (they are used by the backward right away / kept until it).
    Without a backward to come (no grad mode, no output requiring grad) free
-   them in any case, and the root frees every unit.
+   them in any case, and the root frees every unit. The root also keeps
+   this forward's order for the next one and frees a unit issued ahead
+   whose forward did not run.
 4. ``u`` pre-backward (first output hook to fire): queue the root's
    end-of-backward callback if nobody has, gather again if freed,
    BACKWARD_PRE-prefetch the next unit in backward order.
@@ -83,6 +86,7 @@ class FSDPState:
     backward_prefetch: BackwardPrefetch | None
     forward_prefetch: bool
     limit_all_gathers: bool
+    issue_ahead: bool  # gather the next unit in forward order before this one computes
     comm_hook: Callable[..., Any] | None
     comm_hook_state: object
     comm_hook_casts: bool  # the hook communicates in low precision itself
@@ -115,6 +119,9 @@ class FSDPState:
         self.backward_prefetch = backward_prefetch
         self.forward_prefetch = forward_prefetch
         self.limit_all_gathers = limit_all_gathers
+        # See [Note: issue-ahead]: on a device whose host does not run ahead of it (the
+        # CPU), the default reproduces the overlap FSDP1 gets from CUDA's run-ahead.
+        self.issue_ahead = forward_prefetch or (limit_all_gathers and compute_device.type == "cpu")
         self.comm_hook = None
         self.comm_hook_state = None
         self.comm_hook_casts = False
@@ -246,8 +253,12 @@ class FSDPState:
             return self._recompute_pre_forward(args, kwargs)
         ctx = self._context()
         self.training_state = TrainingState.FORWARD_BACKWARD
-        if torch.is_grad_enabled():
-            ctx.exec_order.record_pre_forward(self)
+        if self.is_root:
+            ctx.exec_order.start_forward()
+            ctx.forward_ahead = None
+        ahead = ctx.exec_order.forward_step(self)
+        if ctx.forward_ahead is self:
+            ctx.forward_ahead = None  # issued ahead by the unit before: its turn now
         unit = self.unit
         if unit is not None:
             for part in unit.parts():  # a frozen part too ([Note: frozen part])
@@ -260,11 +271,11 @@ class FSDPState:
                 unit.unshard()
             unit.wait_for_unshard()
             unit.use_unsharded_views()
-            if self.forward_prefetch:
-                self._prefetch(ctx.exec_order.next_forward(self), backward=False)
             mp = self.mixed_precision
             if mp.cast_forward_inputs and mp.param_dtype is not None:
                 args, kwargs = cast_floating_tensors(mp.param_dtype, args, kwargs)
+        if self.issue_ahead:
+            self._issue_ahead(ahead)
         return args, kwargs
 
     def _recompute_pre_forward(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
@@ -288,7 +299,8 @@ class FSDPState:
             return output  # see [Note: recomputation]
         ctx = self._context()
         registered = False
-        if torch.is_grad_enabled():
+        grad_enabled = torch.is_grad_enabled()
+        if grad_enabled:
             ctx.exec_order.record_post_forward(self)
             output, registered = self._register_pre_backward_hooks(output)
         unit = self.unit
@@ -299,9 +311,12 @@ class FSDPState:
                 ctx.limiter.record_free()
         self._expects_backward = registered
         self.training_state = TrainingState.IDLE
-        if self.is_root and not registered:
-            # No backward will come: free every unit, prefetched ones included.
-            self._reshard_all(keep_no_sync=False)
+        if self.is_root:
+            ctx.exec_order.end_forward(record=grad_enabled)
+            self._free_forward_ahead()
+            if not registered:
+                # No backward will come: free every unit, prefetched ones included.
+                self._reshard_all(keep_no_sync=False)
         return output
 
     def _register_pre_backward_hooks(self, output: Any) -> tuple[Any, bool]:
@@ -319,13 +334,34 @@ class FSDPState:
             self._ran_pre_backward = False
         return output, registered
 
-    def _prefetch(self, target: FSDPState | None, backward: bool) -> None:
-        """Start ``target``'s gather early (forward/backward prefetch)."""
+    def _issue_ahead(self, target: FSDPState | None) -> None:
+        """Start the gather of the unit whose forward comes next ([Note: issue-ahead])."""
+        if target is None or target.unit is None or target.unit.state is not ShardState.SHARDED:
+            return
+        ctx = self._context()
+        if ctx.forward_ahead is not None:
+            return  # one unit ahead at most (never expected: it would have run by now)
+        ctx.limiter.throttle()
+        target.unit.unshard()
+        ctx.forward_ahead = target
+
+    def _free_forward_ahead(self) -> None:
+        """Root, end of forward: free a unit issued ahead whose forward did not run."""
+        ctx = self._context()
+        target, ctx.forward_ahead = ctx.forward_ahead, None
+        if target is None or target.unit is None or target.unit.state is ShardState.SHARDED:
+            return
+        target.unit.reshard()  # waits for its gather first
+        if not target.unit.aliased:
+            ctx.limiter.record_free()
+
+    def _prefetch_backward(self, target: FSDPState | None) -> None:
+        """Start ``target``'s gather early (backward prefetch)."""
         if target is None or target.unit is None:
             return
         if target.unit.state is not ShardState.SHARDED:
             return
-        if backward and (not target._expects_backward or target._ran_pre_backward):
+        if not target._expects_backward or target._ran_pre_backward:
             return  # its backward will not run (again) in this pass: do not waste memory
         ctx = self._context()
         ctx.limiter.throttle()
@@ -368,7 +404,7 @@ class FSDPState:
         with torch.enable_grad():
             unit.use_unsharded_views()
         if self.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
-            self._prefetch(ctx.exec_order.next_backward(self), backward=True)
+            self._prefetch_backward(ctx.exec_order.next_backward(self))
 
     @in_phase("post-backward")
     def _post_backward(self, param: Tensor) -> None:
@@ -393,7 +429,7 @@ class FSDPState:
             unit.reshard()
             ctx.limiter.record_free()
         if self.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
-            self._prefetch(ctx.exec_order.next_backward(self), backward=True)
+            self._prefetch_backward(ctx.exec_order.next_backward(self))
         if not self.sync_gradients:
             return
         pending = unit.reduce_grad(self.comm_hook, self.comm_hook_state, self.comm_hook_casts)
@@ -414,7 +450,7 @@ class FSDPState:
             s._ran_pre_backward = False
             s._expects_backward = False
         ctx.callback_queued = False
-        ctx.exec_order.freeze()
+        ctx.exec_order.end_backward()
 
     def _reshard_all(self, keep_no_sync: bool) -> None:
         """Free every unit of the tree that should not stay gathered."""

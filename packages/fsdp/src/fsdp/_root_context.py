@@ -14,8 +14,28 @@ third gather before the first free has executed. After each free the unit's
 state records a device event; before each gather, if two frees are still
 pending, the CPU waits for the oldest event. On the CPU device there is no
 run-ahead (a free is done when ``reshard()`` returns) so there are no events
-and the limiter never waits; the two-unit bound then follows from prefetching
-at most one unit ahead.
+and the limiter never waits; the two-unit bound then follows from issuing at
+most one unit ahead (see [Note: issue-ahead]).
+
+[Note: issue-ahead]
+torch's FSDP1 on CUDA overlaps the next unit's all-gather with the current
+unit's forward even with ``forward_prefetch=False``: its CPU thread issues
+the current unit's kernels and moves on to the next unit's pre-forward, which
+issues that all-gather on the unshard stream while the kernels run, and the
+rate limiter stops it two units ahead. A gloo/CPU run has no such run-ahead:
+the computation runs on the thread that would issue the next gather, so a
+unit that gathers on entry waits for all of its all-gather. Our default
+reproduces the CUDA behaviour on the CPU: with ``limit_all_gathers=True``
+(torch's default) and a CPU compute device, each unit's pre-forward issues
+the all-gather of the unit whose forward comes next in the recorded order
+(see [Note: forward order and its changes] in ``_exec_order.py``) before the
+unit computes, one unit ahead at most: the memory bound FSDP1's limiter gives
+on CUDA. ``forward_prefetch=True`` does the same on every device (on CUDA
+it issues the gather before the current unit's kernels, as torch's);
+``limit_all_gathers=False`` with ``forward_prefetch=False`` gathers each unit
+on entry, as torch's FSDP1 does on the CPU. ``RootContext.forward_ahead``
+holds the unit issued ahead until its forward starts; the root frees it at
+the end of its forward if it never ran.
 
 [Note: reductions in flight]
 Gradient reductions are issued asynchronously from the post-backward hook so
@@ -82,6 +102,7 @@ class RootContext:
     limiter: RateLimiter
     max_reductions_in_flight: int
     callback_queued: bool  # the end-of-backward callback is queued for this backward
+    forward_ahead: FSDPState | None  # gathered ahead of its forward, which has not started
 
     def __init__(self, states: list[FSDPState], limiter: RateLimiter) -> None:
         self.states = states
@@ -89,6 +110,7 @@ class RootContext:
         self.limiter = limiter
         self.max_reductions_in_flight = 1
         self.callback_queued = False
+        self.forward_ahead = None
         self._reductions: deque[PendingReduce] = deque()
 
     def push_reduction(self, reduce: PendingReduce) -> None:

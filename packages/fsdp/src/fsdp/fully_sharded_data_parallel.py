@@ -124,11 +124,17 @@ class FullyShardedDataParallel(nn.Module):
             same model (e.g. only rank 0 loaded a checkpoint, or ranks seeded
             differently). Under hybrid sharding across the replicate group
             first, then inside the shard group. Works on CPU (gloo) too.
-        forward_prefetch: gather the next unit (in the first iteration's
-            forward order) before the current unit's forward computation.
-            For static graphs; helps CPU-bound runs.
-        limit_all_gathers: bound the gathered units in flight to two on
-            devices where the CPU runs ahead (CUDA); see [Note: rate limiter].
+        forward_prefetch: issue the next unit's all-gather (in the previous
+            forward's order) before the current unit's forward computation,
+            on every device. On the CPU the default does this already; see
+            [Note: issue-ahead] in ``_root_context.py``.
+        limit_all_gathers: at most two units' gathered parameters in flight
+            (the one computing and one ahead): on CUDA by holding the CPU
+            back (see [Note: rate limiter]); on the CPU, where the host does
+            not run ahead of the computation, the forward issues the next
+            unit's all-gather before the current unit computes, which is the
+            overlap FSDP1 gets on CUDA. ``False`` on the CPU (with
+            ``forward_prefetch=False``): each unit gathers on entry.
         use_orig_params: keep the original ``nn.Parameter`` objects, names
             and ``requires_grad`` flags (see ``_orig_params.py``):
             ``named_parameters()`` yields them under the unwrapped model's
@@ -302,6 +308,7 @@ class FullyShardedDataParallel(nn.Module):
             use_orig_params=use_orig_params,
         )
         del collected  # the original parameters: free them before the enclosing unit is built
+        _init.release_freed_host_memory()  # see [Note: construction RSS]
         if auto_wrap_policy is not None:  # this constructor marked them
             _init.clear_tied_marks(module, tied)
         self._fsdp_wrapped_module = module
