@@ -70,11 +70,14 @@ class FsdpModuleAdapter:
         for instance in instances:  # a template: no gather needed, DCP overwrites it
             setattr(instance, TEMPLATE_ATTR, True)
         try:
-            # Saving: each unit's chunks go to the host as soon as they are made, so a
-            # rank's device holds at most one unit's chunks beyond the model, and chunks
-            # of CPUOffload shards never visit it (on gloo; NCCL's all-to-all stages one
-            # unit's shard there). A load's template stays on the compute device.
-            config = ShardedStateDictConfig(offload_to_cpu=not ctx.loading)
+            # [Note: bounded device memory in save and load]
+            # Each unit's chunks go to the host as soon as they are made, so a rank's
+            # device holds at most one unit's chunks beyond the model, and chunks of
+            # CPUOffload shards never visit it (on gloo; NCCL's all-to-all stages one
+            # unit's shard there). A load's template is on the host too: DCP reads into
+            # host memory, and loading moves the chunks to the device one unit at a time
+            # (``chunks_to_shard``) instead of a second copy of the model there.
+            config = ShardedStateDictConfig(offload_to_cpu=True)
             with state_dict_type(obj, StateDictType.SHARDED_STATE_DICT, config):
                 return obj.state_dict()
         finally:
@@ -106,9 +109,8 @@ class FsdpOptimizerAdapter:
     def state_dict(self, obj: torch.optim.Optimizer, ctx: StateContext) -> dict[str, Any]:
         if ctx.loading:
             init_optim_state(obj)
-        return fsdp_optim_state_dict(
-            ctx.module_for(obj), obj, sharded=True, offload_to_cpu=not ctx.loading
-        )
+        # On the host when loading too: [Note: bounded device memory in save and load].
+        return fsdp_optim_state_dict(ctx.module_for(obj), obj, sharded=True, offload_to_cpu=True)
 
     def load_state_dict(
         self, obj: torch.optim.Optimizer, state_dict: dict[str, Any], ctx: StateContext
@@ -125,9 +127,7 @@ class ZeroOptimizerAdapter:
     def state_dict(self, obj: ZeroRedundancyOptimizer, ctx: StateContext) -> dict[str, Any]:
         if ctx.loading:
             init_optim_state(obj)
-        return zero_optim_state_dict(
-            ctx.module_for(obj), obj, full=False, offload_to_cpu=not ctx.loading
-        )
+        return zero_optim_state_dict(ctx.module_for(obj), obj, full=False, offload_to_cpu=True)
 
     def load_state_dict(
         self, obj: ZeroRedundancyOptimizer, state_dict: dict[str, Any], ctx: StateContext
