@@ -134,6 +134,12 @@ def _world1_rank(folder: str) -> dict[str, Any]:
             out["save_extra_peak"] = torch.cuda.max_memory_allocated() - before
             out["unit_bytes"] = allocated_bytes(list(make().blocks[0].parameters()))
             fresh = FSDP(make(seed=1), auto_wrap_policy=ModuleWrapPolicy({Block}), **kw)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+            ckpt.load({"model": fresh}, Path(folder) / "c")
+            torch.cuda.synchronize()
+            out["load_extra_peak"] = torch.cuda.max_memory_allocated() - before
             fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
             ckpt.load({"model": fresh, "optim": fresh_opt}, Path(folder) / "c")
             out["ckpt_diff"] = _diff(_full(fresh), _full(model))
@@ -153,6 +159,9 @@ def test_nccl_world_size_1(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> N
     # Chunks go to the host unit by unit: well under one unit's bytes on the device
     # (before: the whole shard again and both AdamW moments, held until the write).
     assert out["save_extra_peak"] < out["unit_bytes"], out
+    # Loading reads into a host template and moves one unit's chunks (and the shard
+    # built from them) to the device at a time, not a second copy of the model.
+    assert out["load_extra_peak"] < 3 * out["unit_bytes"], out
     assert out["ckpt_diff"] == 0.0
 
 
