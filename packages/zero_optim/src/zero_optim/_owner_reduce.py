@@ -4,8 +4,9 @@
 DDP all-reduces every gradient bucket, so every rank ends with every reduced
 gradient; under ZeRO only the owner of a parameter uses its gradient. With
 ``hook_with_zero_step_to_owners`` each bucket is instead *reduced* (summed onto
-one rank) run by run, where a run is a maximal slice of the bucket's buffer
-whose parameters have the same owner; the owner then steps them and broadcasts
+one rank) run by run (small runs packed, see below), where a run is a maximal
+slice of the bucket's buffer whose parameters have the same owner; the owner
+then steps them and broadcasts
 the new values (ZeRO's stage 1/2 pattern). In the usual bandwidth model a
 ring all-reduce of ``n`` bytes sends ``2 n (N-1)/N`` bytes per rank, a reduce
 or a broadcast ``n (N-1)/N``: reduce plus broadcast moves what the all-reduce
