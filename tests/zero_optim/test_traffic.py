@@ -3,6 +3,8 @@
 * The broadcast sends large parameters in place and small ones through at most
   ``STAGING_SLOTS`` reusable buffers, whatever the number of parameters
   ([Note: bounded broadcast]); every rank ends with the owner's values.
+* ``hook_with_zero_step_to_owners`` packs small gradients into one reduce per
+  owner and bucket ([Note: packed owner reduces]) and gives DDP's parameters;
 * ``hook_with_zero_step_to_owners`` moves no more bytes per step than DDP's
   all-reduce, where ``step()`` and the other hooks move 1.5 times as many
   ([Note: reduce to owners]). Bytes are counted at the collective calls and
@@ -32,7 +34,7 @@ from zero_optim import (
     hook_with_zero_step_to_owners,
 )
 from zero_optim._broadcast import IN_PLACE_MIN_NUMEL, STAGING_NUMEL, STAGING_SLOTS, ShardBroadcaster
-from zero_optim._owner_reduce import OwnerRun, owner_runs
+from zero_optim._owner_reduce import OwnerRun, owner_runs, split_runs
 
 # ----------------------------------------------------------------- broadcast
 
@@ -167,3 +169,89 @@ def test_owner_runs_merge_adjacent_slices_of_one_owner() -> None:
         OwnerRun(owner=0, start=20, end=21),
     ]
     assert owner_runs([], []) == []
+
+
+def test_split_runs_packs_small_runs_up_to_one_buffer() -> None:
+    big = IN_PLACE_MIN_NUMEL
+    runs = [
+        OwnerRun(0, 0, 10),
+        OwnerRun(1, 10, 20),
+        OwnerRun(0, 20, 20 + big),  # large: in place
+        OwnerRun(1, 20 + big, 30 + big),
+        OwnerRun(2, 30 + big, 40 + big),  # owner 2's only small run: in place
+        OwnerRun(0, 40 + big, 50 + big),
+    ]
+    in_place, packed = split_runs(runs, 3)
+    assert packed == [runs[0], runs[1], runs[3], runs[5]]
+    assert in_place == [runs[2], runs[4]]
+    # small runs beyond STAGING_NUMEL elements stay in place
+    n = IN_PLACE_MIN_NUMEL - 1
+    many = [OwnerRun(i % 2, i * n, (i + 1) * n) for i in range(STAGING_NUMEL // n + 3)]
+    in_place, packed = split_runs(many, 2)
+    assert sum(r.end - r.start for r in packed) <= STAGING_NUMEL
+    assert sorted(in_place + packed) == sorted(many)
+    assert len(in_place) >= 3
+
+
+def _many_small_model() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(12)))
+
+
+def _packed_rank() -> dict[str, Any]:
+    rank = dist.get_rank()
+    results: dict[str, Any] = {}
+    for variant in ("ddp", "to owners"):
+        model = _many_small_model()
+        ddp = DDP(model)  # one bucket: 24 parameters, owners interleaved
+        opt: torch.optim.Optimizer
+        if variant == "ddp":
+            opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        else:
+            zero = ZeroRedundancyOptimizer(
+                model.parameters(), torch.optim.AdamW, overlap_with_ddp=True, lr=0.01
+            )
+            ddp.register_comm_hook(None, hook_with_zero_step_to_owners(ddp, zero))
+            opt = zero
+        calls: Counter[str] = Counter()
+        original = dist.reduce
+
+        def counted(
+            *args: Any, _original: Any = original, _calls: Counter[str] = calls, **kwargs: Any
+        ) -> Any:
+            _calls["reduce"] += 1
+            return _original(*args, **kwargs)
+
+        dist.reduce = counted  # type: ignore[assignment]
+        try:
+            for step in range(4):
+                g = torch.Generator().manual_seed(1000 * step + rank)
+                x, y = torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g)
+                opt.zero_grad()
+                F.mse_loss(ddp(x), y).backward()
+                if variant == "ddp":
+                    opt.step()
+        finally:
+            dist.reduce = original  # type: ignore[assignment]
+        results[variant] = [p.detach().clone() for p in model.parameters()]
+        if variant == "to owners":
+            results["reduces"] = calls["reduce"]
+            results["allocated"] = dict(zero._owner_reducer._allocated)
+            results["owners"] = len(set(zero.param_to_rank.values()))
+    return results
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_to_owners_packs_small_gradients_into_one_reduce_per_owner(world_size: int) -> None:
+    for result in run_ranks(_packed_rank, world_size, timeout=120):
+        # 24 parameters in one bucket, one reduce per owner and step (4 steps),
+        # where one reduce per run would be about one per parameter
+        assert result["reduces"] == 4 * result["owners"]
+        assert all(n <= STAGING_SLOTS for n in result["allocated"].values())
+        got, want = result["to owners"], result["ddp"]
+        if world_size <= 2:  # one addition per element: bit for bit
+            for g, w in zip(got, want, strict=True):
+                assert torch.equal(g, w)
+        else:
+            for g, w in zip(got, want, strict=True):
+                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)

@@ -49,7 +49,7 @@ from zero_optim._broadcast import ShardBroadcaster
 from zero_optim._buckets import ParamBuckets
 from zero_optim._collectives import gather_to, send_grads_to_joined
 from zero_optim._overlap import BackwardPhase, HookKind, OverlapState, reduced_gradients
-from zero_optim._owner_reduce import reduce_to_owners
+from zero_optim._owner_reduce import OwnerReducer
 from zero_optim._partition import Partition, sorted_greedy_partition
 from zero_optim._state_dict import (
     check_full_state_dict,
@@ -156,6 +156,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._trainable = self._trainable_mask()
         self._buckets = ParamBuckets()
         self._broadcaster = ShardBroadcaster(group, self.rank)
+        self._owner_reducer = OwnerReducer()  # the to-owners hook's reduces
         self._consolidated: dict[int, Any] | None = None  # global index -> state, on `to` only
         # inside a Join context: from join_hook() (Join.__init__) to its post_hook (Join.__exit__)
         self._in_join = False
@@ -297,6 +298,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def _step_ddp_bucket(self, bucket: GradBucket, fut: Future[object]) -> None:
         grads = reduced_gradients(bucket, fut)
+        if self._overlap is not None and self._overlap.kind is HookKind.TO_OWNERS:
+            self._owner_reducer.release_oldest()  # see [Note: packed owner reduces]
         params = bucket.parameters()
         owners = [self._owner_of(p) for p in params]
         mine = [(p, g) for p, g, o in zip(params, grads, owners, strict=True) if o == self.rank]
@@ -310,7 +313,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
         See [Note: reduce to owners] in ``_owner_reduce.py``.
         """
-        fut = reduce_to_owners(bucket, self._owner_of, self.rank, self.process_group)
+        fut = self._owner_reducer.start(bucket, self._owner_of, self.rank, self.process_group)
         self._on_ddp_bucket(bucket, fut)  # type: ignore[arg-type]
         return fut
 
