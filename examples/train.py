@@ -94,5 +94,25 @@ def run_rank(cfg: TrainConfig) -> int:
         destroy_distributed()
 
 
+def _exit_now(code: int) -> None:
+    """End the process without interpreter teardown, once everything is flushed.
+
+    [Note: leaving without teardown]
+    By this point the ranks have finished, checkpoints are committed (the example
+    saves synchronously) and the process group is destroyed. What interpreter teardown still
+    does is destroy torch's C++ objects, and on torch 2.13 with gloo that sometimes
+    aborts the process (``terminate called without an active exception``, exit 134)
+    although all work is done: rare for one process, but a multi-node run has several
+    and a launcher then reports the whole job failed. Flushing the streams and
+    logging, then ``os._exit``, keeps the exit status the program's own.
+    """
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    _exit_now(main())
