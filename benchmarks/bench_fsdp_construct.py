@@ -16,19 +16,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from benchmarks.common import Options, Table, launch
+from benchmarks.common import Options, Table, launch, proc_status_kb
 
 DESCRIPTION = "resident memory after wrapping, ours vs torch FSDP1 (2 ranks)"
 
 VARIANTS = ("torch FSDP1", "ours, no trim", "ours")
-
-
-def _kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 def _rank(variant: str, model_kwargs: dict[str, int]) -> dict[str, float]:
@@ -42,9 +34,9 @@ def _rank(variant: str, model_kwargs: dict[str, int]) -> dict[str, float]:
     from benchmarks.gpt import GPT, Block
 
     torch.manual_seed(0)
-    base = _kb("VmRSS")
+    base = proc_status_kb("VmRSS")
     model = GPT(**model_kwargs)
-    built = _kb("VmRSS")
+    built = proc_status_kb("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # VmHWM := VmRSS
     wrapped: Any
@@ -60,8 +52,8 @@ def _rank(variant: str, model_kwargs: dict[str, int]) -> dict[str, float]:
         wrapped = fsdp.FullyShardedDataParallel(
             model, auto_wrap_policy=fsdp.wrap.ModuleWrapPolicy({Block}), device_id="cpu"
         )
-    after = _kb("VmRSS")
-    peak = _kb("VmHWM")
+    after = proc_status_kb("VmRSS")
+    peak = proc_status_kb("VmHWM")
     shard = sum(p.numel() * p.element_size() for p in wrapped.parameters())
     mib = 1024.0
     return {

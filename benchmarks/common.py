@@ -51,6 +51,7 @@ __all__ = [
     "launch",
     "median_step_s",
     "peak_rss_bytes",
+    "proc_status_kb",
     "ratio",
     "time_round_robin",
     "time_steps",
@@ -163,6 +164,15 @@ def _rank_main(
 
 
 # ----------------------------------------------------------------- measuring
+
+
+def proc_status_kb(field: str) -> int:
+    """A kB field of this process's /proc/self/status (``VmRSS`` now, ``VmHWM`` peak)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 def time_steps(step: Callable[[], object], *, warmup: int, iters: int) -> list[float]:

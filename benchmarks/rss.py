@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from benchmarks.common import proc_status_kb
 from tests.ranks import run_ranks
 
 CASES = {  # name -> (frozen, micro-batches per step, use_orig_params)
@@ -35,14 +36,6 @@ CASES = {  # name -> (frozen, micro-batches per step, use_orig_params)
     "trainable": (False, 1, False),
     "accumulate x2": (False, 2, False),
 }
-
-
-def _kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 def _reset_peak() -> None:
@@ -69,7 +62,7 @@ def _rank(impl: str, case: str, inflight: int | None) -> dict[str, float]:
     torch.manual_seed(0)
     net = nn.Sequential(*(Layer(frozen) for _ in range(4)))
     gc.collect()
-    base = _kb("VmRSS")
+    base = proc_status_kb("VmRSS")
     _reset_peak()
     model: Any
     if impl == "ours":
@@ -94,7 +87,10 @@ def _rank(impl: str, case: str, inflight: int | None) -> dict[str, float]:
         )
     del net
     gc.collect()
-    out = {"wrap peak": _kb("VmHWM") - base, "after wrap": _kb("VmRSS") - base}
+    out = {
+        "wrap peak": proc_status_kb("VmHWM") - base,
+        "after wrap": proc_status_kb("VmRSS") - base,
+    }
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     _reset_peak()
     g = torch.Generator().manual_seed(dist.get_rank())
@@ -103,7 +99,7 @@ def _rank(impl: str, case: str, inflight: int | None) -> dict[str, float]:
             model(torch.randn(8, 512, generator=g)).sum().backward()
         opt.step()
         opt.zero_grad()
-    out["train peak"] = _kb("VmHWM") - base
+    out["train peak"] = proc_status_kb("VmHWM") - base
     return {k: v / 1024 for k, v in out.items()}
 
 
