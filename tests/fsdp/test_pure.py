@@ -353,3 +353,25 @@ def test_enable_wrap() -> None:
         ):
             pass
     assert wrap(lin) is lin
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_forward_issues_ahead_by_default_on_every_device(device: str) -> None:
+    # [Note: issue-ahead]: the default issues ahead on CUDA too, since our gathers
+    # wait for the compute stream; on entry only without both flags.
+    from fsdp._fsdp_state import FSDPState
+
+    def issue_ahead(forward_prefetch: bool, limit_all_gathers: bool) -> bool:
+        state = FSDPState(
+            nn.Linear(2, 2),
+            None,
+            compute_device=torch.device(device),
+            mixed_precision=MixedPrecision(),
+            backward_prefetch=None,
+            forward_prefetch=forward_prefetch,
+            limit_all_gathers=limit_all_gathers,
+        )
+        return state.issue_ahead
+
+    assert issue_ahead(False, True) and issue_ahead(True, True) and issue_ahead(True, False)
+    assert not issue_ahead(False, False)

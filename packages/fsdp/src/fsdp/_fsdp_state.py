@@ -119,9 +119,9 @@ class FSDPState:
         self.backward_prefetch = backward_prefetch
         self.forward_prefetch = forward_prefetch
         self.limit_all_gathers = limit_all_gathers
-        # See [Note: issue-ahead]: on a device whose host does not run ahead of it (the
-        # CPU), the default reproduces the overlap FSDP1 gets from CUDA's run-ahead.
-        self.issue_ahead = forward_prefetch or (limit_all_gathers and compute_device.type == "cpu")
+        # See [Note: issue-ahead]: the default reproduces the overlap FSDP1 gets from
+        # CUDA's run-ahead, on the CPU and on CUDA (where our gathers wait for compute).
+        self.issue_ahead = forward_prefetch or limit_all_gathers
         self.comm_hook = None
         self.comm_hook_state = None
         self.comm_hook_casts = False

@@ -24,16 +24,19 @@ the current unit's kernels and moves on to the next unit's pre-forward, which
 issues that all-gather on the unshard stream while the kernels run, and the
 rate limiter stops it two units ahead. A gloo/CPU run has no such run-ahead:
 the computation runs on the thread that would issue the next gather, so a
-unit that gathers on entry waits for all of its all-gather. Our default
-reproduces the CUDA behaviour on the CPU: with ``limit_all_gathers=True``
-(torch's default) and a CPU compute device, each unit's pre-forward issues
-the all-gather of the unit whose forward comes next in the recorded order
-(see [Note: forward order and its changes] in ``_exec_order.py``) before the
-unit computes, one unit ahead at most: the memory bound FSDP1's limiter gives
-on CUDA. ``forward_prefetch=True`` does the same on every device (on CUDA
-it issues the gather before the current unit's kernels, as torch's);
-``limit_all_gathers=False`` with ``forward_prefetch=False`` gathers each unit
-on entry, as torch's FSDP1 does on the CPU. ``RootContext.forward_ahead``
+unit that gathers on entry waits for all of its all-gather. On CUDA our
+unshard stream waits for the compute stream at every gather ([Note: stream
+ordering] in ``_streams.py``, conservative on purpose), so run-ahead alone
+would queue the next gather behind the current unit's kernels. Our default
+therefore issues ahead on every device: with ``limit_all_gathers=True``
+(torch's default), each unit's pre-forward issues the all-gather of the unit
+whose forward comes next in the recorded order (see [Note: forward order and
+its changes] in ``_exec_order.py``) before the unit computes (on CUDA, before
+its kernels are queued), one unit ahead at most: the memory bound FSDP1's
+limiter gives on CUDA. ``forward_prefetch=True`` issues ahead too, also with
+``limit_all_gathers=False``; ``limit_all_gathers=False`` with
+``forward_prefetch=False`` gathers each unit on entry, as torch's FSDP1 does
+on the CPU. ``RootContext.forward_ahead``
 holds the unit issued ahead until its forward starts; the root frees it at
 the end of its forward if it never ran.
 

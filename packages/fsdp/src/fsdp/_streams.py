@@ -22,8 +22,11 @@ Unshard (``FlatParamUnit.unshard`` / ``wait_for_unshard`` / ``reshard``):
 1. unshard waits for compute (``wait_stream(UNSHARD, COMPUTE)``): the shard's
    last writer (optimizer step, ``load_state_dict``, a user's in-place edit)
    ran on the compute stream. Conservative: a gather therefore overlaps
-   compute issued *after* it (forward prefetch, ``BACKWARD_PRE``); relaxing it
-   to once per iteration needs the root's pre-forward to record the event.
+   compute issued *after* it, which is why forward issues the next unit's
+   gather ahead by default on CUDA too ([Note: issue-ahead] in
+   ``_root_context.py``) and backward prefetches with ``BACKWARD_PRE``;
+   relaxing the wait to once per iteration needs the root's pre-forward to
+   record the event.
 2. On unshard: the gathered buffer's storage is allocated (its block belongs
    to the unshard stream), the cast / host-to-device copy into this rank's
    slot, the all-gather, its ``wait()``; then an event ``gathered``.
