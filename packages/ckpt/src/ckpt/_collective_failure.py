@@ -50,11 +50,9 @@ def in_phase(phase: str) -> Callable[[_F], _F]:
                 path = kwargs.get("path", args[1] if len(args) > 1 else None)
                 if path is None and args:
                     path = args[0]  # verify(path)
-                target = f"{e.target} (checkpoint {str(path)!r})"
-                cause = e.__cause__ if e.__cause__ is not None else e
-                raise CollectiveError.from_backend(
-                    cause, rank=e.rank, operation=e.operation, target=target, phase=phase
-                ) from cause
+                raise e.in_phase(
+                    phase, f"{e.target} (checkpoint {str(path)!r})"
+                ) from e.backend_error
 
         return cast(_F, wrapper)
 

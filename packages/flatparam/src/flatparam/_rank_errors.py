@@ -90,6 +90,21 @@ class CollectiveError(RuntimeError):
         )
         return cls(message, rank=rank, operation=operation, target=target, phase=phase)
 
+    @property
+    def backend_error(self) -> BaseException:
+        """The backend's own error this one was made from (itself if not chained)."""
+        return self.__cause__ if self.__cause__ is not None else self
+
+    def in_phase(self, phase: str, target: str) -> CollectiveError:
+        """This failure renamed by an outer level that knows the phase and a fuller target.
+
+        The inner level (the collective's wrapper) knows only the operation and the
+        tensor; raise the result ``from`` :attr:`backend_error`, as the original was.
+        """
+        return CollectiveError.from_backend(
+            self.backend_error, rank=self.rank, operation=self.operation, target=target, phase=phase
+        )
+
     def __reduce__(self) -> tuple[object, ...]:
         return (
             _rebuild_collective,

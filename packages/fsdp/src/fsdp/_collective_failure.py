@@ -53,11 +53,9 @@ def in_phase(phase: str) -> Callable[[_F], _F]:
             except CollectiveError as e:
                 if e.phase:
                     raise
-                target = f"{e.target} for FSDP unit {unit_name(self)}"
-                cause = e.__cause__ if e.__cause__ is not None else e
-                raise CollectiveError.from_backend(
-                    cause, rank=e.rank, operation=e.operation, target=target, phase=phase
-                ) from cause
+                raise e.in_phase(
+                    phase, f"{e.target} for FSDP unit {unit_name(self)}"
+                ) from e.backend_error
 
         return cast(_F, wrapper)
 
