@@ -5,7 +5,10 @@ one launch that holds the family's variants and steps them in turns (so load
 from elsewhere on the machine hits them alike):
 
 * ZeRO: DDP + torch's ``ZeroRedundancyOptimizer``; DDP + ours (``step()``);
-  DDP + ours driven by ``hook_with_zero_step_to_owners`` (no ``step()``);
+  DDP + ours driven by ``hook_with_zero_step_to_owners`` (no ``step()``); and
+  a floor: the same forward, backward and AdamW on the rank's 1/N of the
+  parameters with no collective at all, which no data-parallel wrapper can
+  beat on this machine (its ratio bounds every other row's);
 * FSDP1 FULL_SHARD: torch's and ours; FSDP1 SHARD_GRAD_OP: torch's and ours
   (one unit per transformer block plus the root, as in ``bench_fsdp``).
 
@@ -68,6 +71,7 @@ LR = 1e-3
 MEMORY_STEPS = 2  # steps before reading peak RSS: optimizer state exists after the first
 
 TORCH_ZERO = "torch ZeRO"
+FLOOR = "floor: no communication"
 OURS_ZERO = "ours ZeRO step()"
 OURS_OWNERS = "ours ZeRO to-owners hook"
 TORCH_FULL = "torch FSDP1 FULL_SHARD"
@@ -76,7 +80,7 @@ TORCH_SGO = "torch FSDP1 SHARD_GRAD_OP"
 OURS_SGO = "ours SHARD_GRAD_OP"
 # family -> its variants, torch's first (the baseline of the others)
 FAMILIES = {
-    "zero": [TORCH_ZERO, OURS_ZERO, OURS_OWNERS],
+    "zero": [TORCH_ZERO, OURS_ZERO, OURS_OWNERS, FLOOR],
     "full": [TORCH_FULL, OURS_FULL],
     "sgo": [TORCH_SGO, OURS_SGO],
 }
@@ -88,6 +92,7 @@ _SPIED = (
     "all_gather",  # torch's FSDP1 gathers CPU tensors into a list
     "all_gather_single",
     "reduce_scatter_single",
+    "all_to_all_single",  # our FSDP's reduce-scatter on gloo
 )
 
 
@@ -107,7 +112,7 @@ def _ring_bytes(world_size: int) -> Iterator[Counter[str]]:
                 n = sum(o.numel() * o.element_size() for o in outputs)
                 counts[name] += int(share * n)
                 return originals[name](*args, **kwargs)
-            if name == "reduce_scatter_single":
+            if name in ("reduce_scatter_single", "all_to_all_single"):
                 t = args[1] if len(args) > 1 else kwargs["input"]
             elif name == "all_gather_single":
                 t = args[0] if args else kwargs["output_tensor"]
@@ -147,8 +152,18 @@ class _Trainer:
         self.ddp_builtin = variant in (TORCH_ZERO, OURS_ZERO)  # DDP's C++ all-reduce
         adamw = torch.optim.AdamW
         self.opt: Any
+        self.wrapped: Any
+        if variant == FLOOR:
+            import torch.distributed as dist
+
+            # What any data-parallel step costs at least here: this rank's forward,
+            # backward and AdamW on its 1/N of the parameters, no collective at all.
+            self.wrapped = self.model
+            params = list(self.model.parameters())
+            self.opt = adamw(params[dist.get_rank() :: dist.get_world_size()], lr=LR)
+            return
         if variant in FAMILIES["zero"]:
-            self.wrapped: Any = DistributedDataParallel(self.model)
+            self.wrapped = DistributedDataParallel(self.model)
             if variant == TORCH_ZERO:
                 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZeRO
 
@@ -191,6 +206,7 @@ class _Trainer:
         seed = 1000 * next(self.counter) + dist.get_rank()
         tokens = random_tokens(self.model.config, BATCH, seed=seed)
         self.opt.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=True)
         lm_loss(self.wrapped, tokens).backward()
 
     def step(self) -> None:

@@ -96,6 +96,12 @@ def _spy_all_gathers(into: list[tuple[int, int, int]]) -> Iterator[None]:
 
 
 def _buffers_rank() -> dict[str, Any]:
+    # Counts calls of the native collectives (those NCCL runs); on gloo our FSDP would
+    # otherwise compose them from broadcasts and all-to-alls ([Note: gloo's sharded
+    # collectives]; tests/fsdp/test_pure.py counts those).
+    import fsdp._collectives
+
+    fsdp._collectives.GLOO_COMPOSITES = False
     import fsdp
     from fsdp.wrap import ModuleWrapPolicy
 
@@ -311,6 +317,12 @@ def _logged(fn: Any, unit: int, what: str) -> Any:
 
 
 def _streams_rank(kw_name: str) -> dict[str, Any]:
+    # Counts calls of the native collectives (those NCCL runs); on gloo our FSDP would
+    # otherwise compose them from broadcasts and all-to-alls ([Note: gloo's sharded
+    # collectives]; tests/fsdp/test_pure.py counts those).
+    import fsdp._collectives
+
+    fsdp._collectives.GLOO_COMPOSITES = False
     import fsdp
     from fsdp.wrap import ModuleWrapPolicy
 

@@ -173,7 +173,9 @@ def test_deferred_init_parity(world_size: int) -> None:
             r = out[name]
             assert r["on_cpu"], where
             assert r["init_vs_torch"] == 0.0, where
-            assert r["loss_vs_torch"] == 0.0 and r["param_vs_torch"] == 0.0, where
+            # and ours adds in rank order where gloo's reduce-scatter adds in ring order
+            # ([Note: gloo's sharded collectives])
+            assert r["loss_vs_torch"] <= tol and r["param_vs_torch"] <= tol, where
             assert r["loss_vs_ddp"] <= tol and r["param_vs_ddp"] <= tol, where
             assert r["moved"] > 1e-3, where
         assert out["init_fn"]["vs_by_hand"] == 0.0, where

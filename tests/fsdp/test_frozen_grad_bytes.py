@@ -95,6 +95,12 @@ def _wrap(api: Any, wrap_mod: Any, net: nn.Module, cfg: dict[str, Any]) -> Any:
 
 
 def _rank_configs() -> dict[str, dict[str, Any]]:
+    # Counts calls of the native collectives (those NCCL runs); on gloo our FSDP would
+    # otherwise compose them from broadcasts and all-to-alls ([Note: gloo's sharded
+    # collectives]; tests/fsdp/test_pure.py counts those).
+    import fsdp._collectives
+
+    fsdp._collectives.GLOO_COMPOSITES = False
     import torch.distributed.fsdp as torch_fsdp
     import torch.distributed.fsdp.wrap as torch_wrap
 
@@ -178,6 +184,12 @@ class _Layer(nn.Module):
 
 
 def _rank_issue_model(use_orig_params: bool) -> dict[str, int]:
+    # Counts calls of the native collectives (those NCCL runs); on gloo our FSDP would
+    # otherwise compose them from broadcasts and all-to-alls ([Note: gloo's sharded
+    # collectives]; tests/fsdp/test_pure.py counts those).
+    import fsdp._collectives
+
+    fsdp._collectives.GLOO_COMPOSITES = False
     import fsdp
     from fsdp.wrap import ModuleWrapPolicy
 
@@ -209,6 +221,12 @@ def test_issue_model_gradient_bytes(world_size: int) -> None:
 
 
 def _rank_hybrid() -> dict[str, Any]:
+    # Counts calls of the native collectives (those NCCL runs); on gloo our FSDP would
+    # otherwise compose them from broadcasts and all-to-alls ([Note: gloo's sharded
+    # collectives]; tests/fsdp/test_pure.py counts those).
+    import fsdp._collectives
+
+    fsdp._collectives.GLOO_COMPOSITES = False
     from torch.distributed.device_mesh import init_device_mesh
 
     import fsdp

@@ -164,9 +164,12 @@ def _check(results: list[dict[str, dict[str, Any]]], exact_vs_ddp: bool, shard_s
             if CONFIGS[config][0] != "mesh_1d":
                 assert r["shard_size"] == shard_size, where
             if "loss_vs_torch" in r:
-                assert r["loss_vs_torch"] == 0.0, where
-                assert r["param_vs_torch"] == 0.0, where
-                assert r["norm_vs_torch"] == 0.0, where
+                # A shard group of more than two ranks: our gloo reduce-scatter adds in
+                # rank order, gloo's in ring order ([Note: gloo's sharded collectives]).
+                torch_tol = 0.0 if shard_size <= 2 and CONFIGS[config][0] != "mesh_1d" else 1e-5
+                assert r["loss_vs_torch"] <= torch_tol, where
+                assert r["param_vs_torch"] <= torch_tol, where
+                assert r["norm_vs_torch"] <= torch_tol, where
 
 
 def test_hybrid_parity_2x2() -> None:
@@ -214,6 +217,12 @@ def record_collectives() -> Iterator[list[tuple[str, Any, int]]]:
 
 
 def _rank_traffic() -> dict[str, Any]:
+    # Counts calls of the native collectives (those NCCL runs); on gloo our FSDP would
+    # otherwise compose them from broadcasts and all-to-alls ([Note: gloo's sharded
+    # collectives]; tests/fsdp/test_pure.py counts those).
+    import fsdp._collectives
+
+    fsdp._collectives.GLOO_COMPOSITES = False
     import fsdp
     from fsdp.wrap import ModuleWrapPolicy
 

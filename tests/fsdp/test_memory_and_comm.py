@@ -206,6 +206,12 @@ def _comm(api: Any, strategy: str) -> dict[str, int]:
 
 
 def _rank_bytes() -> dict[str, Any]:
+    # Counts calls of the native collectives (those NCCL runs); on gloo our FSDP would
+    # otherwise compose them from broadcasts and all-to-alls ([Note: gloo's sharded
+    # collectives]; tests/fsdp/test_pure.py counts those).
+    import fsdp._collectives
+
+    fsdp._collectives.GLOO_COMPOSITES = False
     import torch.distributed.fsdp as torch_fsdp
 
     import fsdp

@@ -180,6 +180,9 @@ def test_parity_with_ddp_and_torch_fsdp(world_size: int) -> None:
             assert r["param_vs_ddp"] <= tol, where
             assert r["norm_vs_ddp"] <= 1e-5, where
             if "loss_vs_torch" in r:
-                assert r["loss_vs_torch"] == 0.0, where
-                assert r["param_vs_torch"] == 0.0, where
-                assert r["norm_vs_torch"] == 0.0, where
+                # Above two ranks our gloo reduce-scatter adds in rank order, gloo's in
+                # ring order ([Note: gloo's sharded collectives]): last bits may differ.
+                torch_tol = 0.0 if world_size <= 2 else 1e-5
+                assert r["loss_vs_torch"] <= torch_tol, where
+                assert r["param_vs_torch"] <= torch_tol, where
+                assert r["norm_vs_torch"] <= torch_tol, where
