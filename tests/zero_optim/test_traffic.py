@@ -33,7 +33,6 @@ from zero_optim import (
     hook_with_zero_step,
     hook_with_zero_step_to_owners,
 )
-from zero_optim import _owner_reduce as owner_reduce
 from zero_optim._broadcast import IN_PLACE_MIN_NUMEL, STAGING_NUMEL, STAGING_SLOTS, ShardBroadcaster
 from zero_optim._owner_reduce import OwnerRun, owner_runs, split_runs
 
@@ -84,13 +83,11 @@ def test_broadcast_is_in_place_or_through_bounded_buffers(world_size: int) -> No
 @contextmanager
 def _counting(tally: Counter[str]) -> Iterator[None]:
     """Add each collective's bytes to ``tally[name]`` while inside."""
-    names = ("all_reduce", "reduce", "broadcast", "all_to_all_single")
-    originals = {name: getattr(dist, name) for name in names}
+    originals = {name: getattr(dist, name) for name in ("all_reduce", "reduce", "broadcast")}
 
     def counted(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def call(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            sent = args[0] if name == "all_to_all_single" else tensor  # (output, input)
-            tally[name] += sent.numel() * sent.element_size()
+            tally[name] += tensor.numel() * tensor.element_size()
             return fn(tensor, *args, **kwargs)
 
         return call
@@ -106,16 +103,13 @@ def _counting(tally: Counter[str]) -> Iterator[None]:
 
 def _cost_per_rank(tally: Counter[str], world: int) -> float:
     share = (world - 1) / world
-    one_way = tally["reduce"] + tally["broadcast"] + tally["all_to_all_single"]
-    return 2 * share * tally["all_reduce"] + share * one_way
+    return 2 * share * tally["all_reduce"] + share * (tally["reduce"] + tally["broadcast"])
 
 
 def _traffic_rank() -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     result: dict[str, Any] = {}
-    for variant in ("ddp", "zero step", "zero hook", "to owners", "to owners, reduces"):
-        # "to owners" on gloo: one all-to-all per bucket; "reduces": what NCCL runs
-        owner_reduce.GLOO_ALL_TO_ALL = variant != "to owners, reduces"
+    for variant in ("ddp", "zero step", "zero hook", "to owners"):
         model = make_model()
         ddp = DDP(model, bucket_cap_mb=BUCKET_CAP_MB)
         adamw = torch.optim.AdamW
@@ -131,7 +125,7 @@ def _traffic_rank() -> dict[str, Any]:
                 ddp.register_comm_hook(None, allreduce_hook)
             elif variant == "zero hook":
                 ddp.register_comm_hook(None, hook_with_zero_step(allreduce_hook, ddp, zero))
-            elif variant.startswith("to owners"):
+            elif variant == "to owners":
                 ddp.register_comm_hook(None, hook_with_zero_step_to_owners(ddp, zero))
             opt = zero
         tally: Counter[str] = Counter()
@@ -153,18 +147,14 @@ def test_reduce_to_owners_moves_no_more_than_ddp(world_size: int) -> None:
     psi = result["param_bytes"]
     share = (world_size - 1) / world_size
     ddp_tally, ddp_cost = result["ddp"]
+    owners_tally, owners_cost = result["to owners"]
     # what each rank hands to collectives in 3 steps: every gradient once, reduced;
     # every parameter once, broadcast
     assert ddp_tally.get("all_reduce", 0) == 3 * psi
+    assert owners_tally == {"reduce": 3 * psi, "broadcast": 3 * psi}
     assert ddp_cost == pytest.approx(2 * share * psi)
-    for variant, reduced_by in (
-        ("to owners", "all_to_all_single"),
-        ("to owners, reduces", "reduce"),
-    ):
-        owners_tally, owners_cost = result[variant]
-        assert owners_tally == {reduced_by: 3 * psi, "broadcast": 3 * psi}, variant
-        assert owners_cost <= ddp_cost
-        assert owners_cost == pytest.approx(ddp_cost)
+    assert owners_cost <= ddp_cost
+    assert owners_cost == pytest.approx(ddp_cost)
     for other in ("zero step", "zero hook"):  # the all-reduce, then the broadcast
         assert result[other][1] == pytest.approx(1.5 * ddp_cost)
 
@@ -209,7 +199,6 @@ def _many_small_model() -> torch.nn.Sequential:
 
 
 def _packed_rank() -> dict[str, Any]:
-    owner_reduce.GLOO_ALL_TO_ALL = False  # counts the reduces (what NCCL runs)
     rank = dist.get_rank()
     results: dict[str, Any] = {}
     for variant in ("ddp", "to owners"):

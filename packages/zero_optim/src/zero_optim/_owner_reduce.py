@@ -40,17 +40,6 @@ is then the same on every rank. The to-owners hook has at most two buckets
 in flight (bucket k is stepped when k + 1 arrives), so ``STAGING_SLOTS``
 buffers suffice; were none free, the bucket would reduce every run in place.
 Packing changes no sum: each element is still added across the ranks once.
-
-[Note: owner reduces on gloo]
-gloo's ``reduce`` costs more than its all-reduce of the same buffer (63M
-fp32 elements at 2 ranks: 191 ms against 154 ms), while its
-``all_to_all_single`` moves a rank's share of the same bytes in 70 ms. So on
-CPU tensors under gloo a bucket is reduced to its owners with one all-to-all:
-each rank sends every owner that owner's runs, packed in owner order into one
-send buffer, and the owner adds the ``world_size`` received copies in rank
-order (at two ranks bitwise the all-reduce's sum: two terms add the same
-either way). Each rank sends ``(N-1)/N`` of the bucket, what the reduces
-send. NCCL and other backends keep the reduces above.
 """
 
 from __future__ import annotations
@@ -70,11 +59,6 @@ if TYPE_CHECKING:
     from torch._C._distributed_c10d import GradBucket  # torch.distributed.GradBucket
 
 __all__ = ["OwnerReducer", "OwnerRun", "owner_runs", "split_runs"]
-
-GLOO_ALL_TO_ALL = True
-"""Whether CPU buckets under gloo use [Note: owner reduces on gloo].
-
-Tests that count the reduces switch it off in their ranks."""
 
 
 class OwnerRun(NamedTuple):
@@ -142,13 +126,6 @@ class OwnerReducer:
             start = (g.data_ptr() - base) // size
             offsets.append((start, start + g.numel()))
         runs = owner_runs(offsets, [owner_of(p) for p in bucket.parameters()])
-        if (
-            GLOO_ALL_TO_ALL
-            and buffer.device.type == "cpu"
-            and "gloo" in str(dist.get_backend(group))
-        ):
-            self._held.append(None)
-            return _all_to_all_to_owners(buffer, runs, rank, world_size, group)
         in_place, packed = split_runs(runs, world_size)
         slot = self._take_slot(buffer.dtype, buffer.device) if packed else None
         if slot is None:  # nothing to pack, or no buffer left: every run in place
@@ -216,51 +193,6 @@ class OwnerReducer:
             self._allocated[key] = self._allocated.get(key, 0) + 1
             free.append(torch.empty(STAGING_NUMEL, dtype=dtype, device=device))
         return free.pop() if free else None
-
-
-def _all_to_all_to_owners(
-    buffer: Tensor, runs: Sequence[OwnerRun], rank: int, world_size: int, group: dist.ProcessGroup
-) -> Future[Tensor]:
-    """[Note: owner reduces on gloo]: one all-to-all for the bucket; a future of ``buffer``."""
-    by_owner = [[r for r in runs if r.owner == owner] for owner in range(world_size)]
-    counts = [sum(r.end - r.start for r in mine) for mine in by_owner]
-    send = torch.empty(buffer.numel(), dtype=buffer.dtype, device=buffer.device)
-    at = 0
-    for mine in by_owner:
-        for r in mine:
-            send[at : at + r.end - r.start].copy_(buffer[r.start : r.end])
-            at += r.end - r.start
-    received = torch.empty(world_size * counts[rank], dtype=buffer.dtype, device=buffer.device)
-    work = dist.all_to_all_single(
-        received,
-        send[:at],
-        output_split_sizes=[counts[rank]] * world_size,
-        input_split_sizes=counts,
-        group=group,
-        async_op=True,
-    )
-    assert work is not None  # async_op=True always gives a handle
-
-    def unpack(done: Future[object]) -> Tensor:
-        done.value()  # re-raises a failed all-to-all here rather than hiding it
-        copies = received.view(world_size, counts[rank])
-        total = copies[0].clone()
-        for copy in copies[1:]:
-            total.add_(copy)
-        at = 0
-        for r in by_owner[rank]:
-            buffer[r.start : r.end].copy_(total[at : at + r.end - r.start])
-            at += r.end - r.start
-        for owner, mine in enumerate(by_owner):
-            if owner != rank:
-                for r in mine:
-                    buffer[r.start : r.end].zero_()
-        send.resize_(0)  # the caller may hold the future: free both buffers now
-        received.resize_(0)
-        return buffer
-
-    reduced: Future[Tensor] = work.get_future().then(unpack)
-    return reduced
 
 
 def split_runs(runs: Sequence[OwnerRun], world_size: int) -> tuple[list[OwnerRun], list[OwnerRun]]:
