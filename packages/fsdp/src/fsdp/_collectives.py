@@ -23,10 +23,10 @@ stream ordering] in ``_streams.py``.
 [Note: gloo's sharded collectives]
 gloo's ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` cost about
 twice what the same bytes cost through its ``broadcast`` and
-``all_to_all_single`` (torch 2.13, CPU, one core per rank: a 7M-element unit
-gathers in 18.9 ms at 2 ranks and 29.5 ms at 4, and reduce-scatters in 20.1
-and 47.6 ms; by broadcasts 8.0 and 19.4 ms, by an all-to-all and a local sum
-10.3 and 20.3 ms; ``python -m benchmarks collectives`` measures it). So on
+``all_to_all_single`` (torch 2.13, CPU, one core per rank: a 7M-element fp32
+unit gathers in 22.4 ms at 2 ranks and 32.2 ms at 4, and reduce-scatters in
+23.7 and 50.9 ms; by broadcasts 8.9 and 19.8 ms, by an all-to-all and a local
+sum 14.0 and 29.0 ms; ``python -m benchmarks collectives``, the fsdp README). So on
 CPU tensors under gloo an all-gather is one broadcast per rank, each rank's
 shard straight into its slot of the output, and a reduce-scatter is an
 all-to-all of the padded gradient followed by a local sum of the received
