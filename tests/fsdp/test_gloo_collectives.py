@@ -56,6 +56,7 @@ def _compare(group: Any) -> dict[str, Any]:
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     out: dict[str, Any] = {"gather_diff": 0, "scatter_diff": 0.0, "scatter_vs_rank_order": 0}
     out["gather_bytes"], out["scatter_bytes"], out["want_bytes"] = 0, 0, 0
+    out["receive_buffers_alive"] = 0
     for dtype in DTYPES:
         for n in SHARD_SIZES:
             gen = torch.Generator().manual_seed(1000 * dist.get_rank() + n)
@@ -74,7 +75,12 @@ def _compare(group: Any) -> dict[str, Any]:
                 pending = collectives.all_gather_into(composite_gather, slot, group)
                 pending.wait()
                 gathered = sent["broadcast"]
-                collectives.reduce_scatter_into(composite_shard, full.clone(), group).wait()
+                pending = collectives.reduce_scatter_into(composite_shard, full.clone(), group)
+                received = pending.keep_alive[-1]  # the all-to-all's output
+                pending.wait()
+                # freed by wait(), though gloo's work object still refers to it
+                out["receive_buffers_alive"] += received.untyped_storage().nbytes() != 0
+                del received
             out["gather_bytes"] += gathered
             out["scatter_bytes"] += sent["all_to_all_single"]
             out["want_bytes"] += (world - 1) * n * shard.element_size()
@@ -108,6 +114,7 @@ def test_composites_match_native_collectives(world_size: int) -> None:
         where = f"rank {rank}: {r}"
         assert r["gather_diff"] == 0, where  # a gather only copies: bitwise
         assert r["scatter_vs_rank_order"] == 0, where
+        assert r["receive_buffers_alive"] == 0, where
         if world_size == 2:
             assert r["scatter_diff"] == 0.0, where  # two terms add the same either way
         else:

@@ -206,6 +206,9 @@ def reduce_scatter_into(output: Tensor, padded: Tensor, group: Any) -> PendingCo
             mine.copy_(chunks[0])
             for chunk in chunks[1:]:
                 mine.add_(chunk)
+            # Free it now: the backend's work object still refers to it, and the
+            # caller may keep the pending collective until the end of backward.
+            received.untyped_storage().resize_(0)
 
         return PendingCollective(work, (output, padded, received), "reduce_scatter", target, finish)
     fn = _collective("reduce_scatter_single", "reduce_scatter_tensor")
