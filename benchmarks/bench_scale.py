@@ -206,7 +206,8 @@ class _Trainer:
         seed = 1000 * next(self.counter) + dist.get_rank()
         tokens = random_tokens(self.model.config, BATCH, seed=seed)
         self.opt.zero_grad(set_to_none=True)
-        self.model.zero_grad(set_to_none=True)
+        if self.variant == FLOOR:  # its optimizer holds only this rank's 1/N
+            self.model.zero_grad(set_to_none=True)
         lm_loss(self.wrapped, tokens).backward()
 
     def step(self) -> None:

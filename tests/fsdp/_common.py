@@ -16,6 +16,19 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+
+def use_native_collectives() -> None:
+    """In this rank, issue gloo's own all-gather / reduce-scatter (the calls NCCL runs).
+
+    For tests that count those calls; on gloo our FSDP otherwise composes them
+    from broadcasts and all-to-alls ([Note: gloo's sharded collectives]), which
+    ``tests/fsdp/test_gloo_collectives.py`` checks.
+    """
+    import fsdp._collectives
+
+    fsdp._collectives.GLOO_COMPOSITES = False
+
+
 VOCAB = 13
 DIM = 6
 SEQ = 5

@@ -27,7 +27,15 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.fsdp._common import Block, average_grads, batches, loss_fn, make_net, max_diff
+from tests.fsdp._common import (
+    Block,
+    average_grads,
+    batches,
+    loss_fn,
+    make_net,
+    max_diff,
+    use_native_collectives,
+)
 from tests.ranks import run_ranks
 
 # Ops that create a tensor (a new allocation), as the dispatcher names them.
@@ -96,12 +104,7 @@ def _spy_all_gathers(into: list[tuple[int, int, int]]) -> Iterator[None]:
 
 
 def _buffers_rank() -> dict[str, Any]:
-    # Counts calls of the native collectives (those NCCL runs); on gloo our FSDP would
-    # otherwise compose them from broadcasts and all-to-alls ([Note: gloo's sharded
-    # collectives]; tests/fsdp/test_pure.py counts those).
-    import fsdp._collectives
-
-    fsdp._collectives.GLOO_COMPOSITES = False
+    use_native_collectives()
     import fsdp
     from fsdp.wrap import ModuleWrapPolicy
 
@@ -317,12 +320,7 @@ def _logged(fn: Any, unit: int, what: str) -> Any:
 
 
 def _streams_rank(kw_name: str) -> dict[str, Any]:
-    # Counts calls of the native collectives (those NCCL runs); on gloo our FSDP would
-    # otherwise compose them from broadcasts and all-to-alls ([Note: gloo's sharded
-    # collectives]; tests/fsdp/test_pure.py counts those).
-    import fsdp._collectives
-
-    fsdp._collectives.GLOO_COMPOSITES = False
+    use_native_collectives()
     import fsdp
     from fsdp.wrap import ModuleWrapPolicy
 

@@ -24,7 +24,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: N817
 
-from tests.fsdp._common import Block, batches, full_params, loss_fn, make_net, max_diff, train
+from tests.fsdp._common import (
+    Block,
+    batches,
+    full_params,
+    loss_fn,
+    make_net,
+    max_diff,
+    train,
+    use_native_collectives,
+)
 from tests.fsdp.test_hybrid import record_collectives
 from tests.ranks import run_ranks
 
@@ -95,12 +104,7 @@ def _wrap(api: Any, wrap_mod: Any, net: nn.Module, cfg: dict[str, Any]) -> Any:
 
 
 def _rank_configs() -> dict[str, dict[str, Any]]:
-    # Counts calls of the native collectives (those NCCL runs); on gloo our FSDP would
-    # otherwise compose them from broadcasts and all-to-alls ([Note: gloo's sharded
-    # collectives]; tests/fsdp/test_pure.py counts those).
-    import fsdp._collectives
-
-    fsdp._collectives.GLOO_COMPOSITES = False
+    use_native_collectives()
     import torch.distributed.fsdp as torch_fsdp
     import torch.distributed.fsdp.wrap as torch_wrap
 
@@ -184,12 +188,7 @@ class _Layer(nn.Module):
 
 
 def _rank_issue_model(use_orig_params: bool) -> dict[str, int]:
-    # Counts calls of the native collectives (those NCCL runs); on gloo our FSDP would
-    # otherwise compose them from broadcasts and all-to-alls ([Note: gloo's sharded
-    # collectives]; tests/fsdp/test_pure.py counts those).
-    import fsdp._collectives
-
-    fsdp._collectives.GLOO_COMPOSITES = False
+    use_native_collectives()
     import fsdp
     from fsdp.wrap import ModuleWrapPolicy
 
@@ -221,12 +220,7 @@ def test_issue_model_gradient_bytes(world_size: int) -> None:
 
 
 def _rank_hybrid() -> dict[str, Any]:
-    # Counts calls of the native collectives (those NCCL runs); on gloo our FSDP would
-    # otherwise compose them from broadcasts and all-to-alls ([Note: gloo's sharded
-    # collectives]; tests/fsdp/test_pure.py counts those).
-    import fsdp._collectives
-
-    fsdp._collectives.GLOO_COMPOSITES = False
+    use_native_collectives()
     from torch.distributed.device_mesh import init_device_mesh
 
     import fsdp

@@ -26,7 +26,16 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: N817
 
-from tests.fsdp._common import Block, batches, full_params, loss_fn, make_net, max_diff, train
+from tests.fsdp._common import (
+    Block,
+    batches,
+    full_params,
+    loss_fn,
+    make_net,
+    max_diff,
+    train,
+    use_native_collectives,
+)
 from tests.ranks import run_ranks
 
 STEPS = 8
@@ -217,12 +226,7 @@ def record_collectives() -> Iterator[list[tuple[str, Any, int]]]:
 
 
 def _rank_traffic() -> dict[str, Any]:
-    # Counts calls of the native collectives (those NCCL runs); on gloo our FSDP would
-    # otherwise compose them from broadcasts and all-to-alls ([Note: gloo's sharded
-    # collectives]; tests/fsdp/test_pure.py counts those).
-    import fsdp._collectives
-
-    fsdp._collectives.GLOO_COMPOSITES = False
+    use_native_collectives()
     import fsdp
     from fsdp.wrap import ModuleWrapPolicy
 

@@ -32,6 +32,7 @@ from tests.fsdp._common import (
     make_net,
     max_diff,
     train,
+    use_native_collectives,
 )
 from tests.fsdp.test_hybrid import record_collectives
 from tests.ranks import run_ranks
@@ -202,12 +203,7 @@ def _tied_case(data: list[Any]) -> dict[str, Any]:
 
 
 def _rank_all() -> dict[str, Any]:
-    # Counts calls of the native collectives (those NCCL runs); on gloo our FSDP would
-    # otherwise compose them from broadcasts and all-to-alls ([Note: gloo's sharded
-    # collectives]; tests/fsdp/test_pure.py counts those).
-    import fsdp._collectives
-
-    fsdp._collectives.GLOO_COMPOSITES = False
+    use_native_collectives()
     data = batches(STEPS)
     out: dict[str, Any] = {name: _ignored_case(name, data) for name in IGNORED}
     out["frozen"] = _frozen_case(data)

@@ -145,6 +145,19 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
+def _recorded_step(
+    rec: Recorder, opt: torch.optim.Optimizer, x: Tensor, y: Tensor
+) -> tuple[list[str], float]:
+    """One training step: the events its forward recorded, and its loss."""
+    rec.events = []
+    loss = loss_fn(rec.forward(x), y)
+    events = rec.events
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return events, loss.item()
+
+
 def _rank_order() -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, kwargs in CONFIGS.items():
@@ -155,13 +168,9 @@ def _rank_order() -> dict[str, Any]:
         per_iter, losses = [], []
         with rec.spying():
             for x, y in batches(3):
-                rec.events = []
-                loss = loss_fn(rec.forward(x), y)
-                per_iter.append(rec.events)
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                losses.append(loss.item())
+                events, loss = _recorded_step(rec, opt, x, y)
+                per_iter.append(events)
+                losses.append(loss)
         out[name] = {"events": per_iter, "losses": losses, "max_gathered": rec.max_gathered}
     return out
 
@@ -245,13 +254,9 @@ def _rank_branch(strategy: str) -> dict[str, Any]:
             ref_opt.zero_grad()
             ref_losses.append(ref_loss.item())
             _set_detour(model, detour)
-            rec.events = []
-            loss = loss_fn(rec.forward(x), y)
-            per_iter.append(rec.events)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
+            events, loss = _recorded_step(rec, opt, x, y)
+            per_iter.append(events)
+            losses.append(loss)
     # Evaluation without gradients, the branch on, then off: not recorded, same outputs.
     eval_diffs = []
     with torch.no_grad():

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from tests.fsdp._common import Block, batches, loss_fn, make_net
+from tests.fsdp._common import Block, batches, loss_fn, make_net, use_native_collectives
 from tests.ranks import run_ranks
 
 F32 = 4  # bytes
@@ -206,12 +206,7 @@ def _comm(api: Any, strategy: str) -> dict[str, int]:
 
 
 def _rank_bytes() -> dict[str, Any]:
-    # Counts calls of the native collectives (those NCCL runs); on gloo our FSDP would
-    # otherwise compose them from broadcasts and all-to-alls ([Note: gloo's sharded
-    # collectives]; tests/fsdp/test_pure.py counts those).
-    import fsdp._collectives
-
-    fsdp._collectives.GLOO_COMPOSITES = False
+    use_native_collectives()
     import torch.distributed.fsdp as torch_fsdp
 
     import fsdp

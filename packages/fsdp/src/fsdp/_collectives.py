@@ -158,7 +158,7 @@ def all_gather_into(output: Tensor, shard: Tensor, group: Any) -> PendingCollect
         return PendingCollective(None)
     target = _describe(output)
     with backend_failures("all_gather", target):
-        if _gloo_composite(group, shard) and "ag" in __import__("os").environ.get("COMPX", "ag,rs"):
+        if _gloo_composite(group, shard):
             work = _gather_by_broadcasts(output, shard, group)
         else:
             fn = _collective("all_gather_single", "all_gather_into_tensor")
@@ -195,7 +195,7 @@ def reduce_scatter_into(output: Tensor, padded: Tensor, group: Any) -> PendingCo
         output.copy_(padded)
         return PendingCollective(None)
     target = f"the gradient ({_describe(padded)})"
-    if _gloo_composite(group, padded) and "rs" in __import__("os").environ.get("COMPX", "ag,rs"):
+    if _gloo_composite(group, padded):
         received = torch.empty_like(padded)
         with backend_failures("reduce_scatter", target):
             work = dist.all_to_all_single(received, padded, group=group, async_op=True)
