@@ -1,10 +1,14 @@
 """flatparam: flatten parameters into one FlatParameter and shard it.
 
-No ``torch.distributed`` here: the sharding is pure arithmetic on sizes
-(:class:`ShardLayout`), so fsdp and zero_optim share it and test it alone.
+No ``torch.distributed`` here: the sharding is pure arithmetic on sizes, in two
+layouts: :class:`ShardLayout` cuts one flat tensor into equal chunks (FSDP1,
+ZeRO), :class:`ChunkLayout` cuts every parameter along a dimension and packs a
+rank's chunks into one buffer (FSDP2's per-parameter sharding). fsdp and
+zero_optim share them and test them alone.
 """
 
 from flatparam._agreement import check_fingerprints_agree
+from flatparam._chunk_layout import ChunkLayout
 from flatparam._flat_param import (
     FlatParameter,
     ParamInfo,
@@ -28,6 +32,7 @@ from flatparam._wrapper import FLAT_PARAM, FPW_MODULE, FlattenParamsWrapper
 __all__ = [
     "FLAT_PARAM",
     "FPW_MODULE",
+    "ChunkLayout",
     "CollectiveError",
     "FlatParameter",
     "FlattenParamsWrapper",

@@ -216,7 +216,7 @@ class ShardLayout:
         return range(p_start // self.shard_numel, (p_end - 1) // self.shard_numel + 1)
 
 
-def _as_int(name: str, value: object) -> int:
+def _as_int(name: str, value: object, fn: str = "ShardLayout.build") -> int:
     """``value`` as an int if it is an integer (int, numpy or 0-dim integer tensor).
 
     A float or a string is refused rather than truncated: ``world_size=2.5``
@@ -228,7 +228,7 @@ def _as_int(name: str, value: object) -> int:
         return operator.index(value)  # type: ignore[arg-type]
     except TypeError:
         raise TypeError(
-            f"ShardLayout.build: {name} must be an integer, got {value!r} "
+            f"{fn}: {name} must be an integer, got {value!r} "
             f"({type(value).__name__}); pass an int"
         ) from None
 
