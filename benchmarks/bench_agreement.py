@@ -27,7 +27,7 @@ def _timing_rank(model_kw: dict[str, Any], warmup: int, iters: int) -> dict[str,
     import torch.distributed as dist
 
     import ckpt._agreement as ckpt_agreement
-    import fsdp._fsdp_state as fsdp_state
+    import fsdp._wrapper._fsdp_state as fsdp_state
     import zero_optim._optimizer as zero_module
     from benchmarks.common import time_round_robin
     from benchmarks.gpt import GPT, Block

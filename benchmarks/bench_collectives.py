@@ -30,7 +30,7 @@ def _rank(numel: int) -> dict[str, list[float]]:
     import torch
     import torch.distributed as dist
 
-    import fsdp._collectives as collectives
+    import fsdp._runtime._collectives as collectives
 
     world = dist.get_world_size()
     shard = torch.randn(numel // world)

@@ -41,7 +41,7 @@ def _rank(model_kwargs: dict[str, int], warmup: int, iters: int) -> dict[str, An
     import fsdp
     import fsdp.wrap
     from benchmarks.gpt import GPT, Block, lm_loss, random_tokens
-    from fsdp._flat_param_unit import FlatParamUnit
+    from fsdp._wrapper._flat_param_unit import FlatParamUnit
 
     waited = dict.fromkeys(KINDS, 0.0)
 

@@ -1,7 +1,7 @@
 """ckpt uses its sibling packages only through their public names.
 
 fsdp, zero_optim and flatparam are separate distributions that ckpt pins by version
-ranges, so a ckpt module importing a private module of one of them (``fsdp._common``,
+ranges, so a ckpt module importing a private module of one of them (``fsdp._runtime._common``,
 ``zero_optim._partition``, ``flatparam._shard``) would break with any internal change in
 a patch release. What ckpt needs about a wrapped model is in ``fsdp.units`` and
 ``fsdp.shards``; this test fails on any ckpt module that imports a private sibling
@@ -47,8 +47,8 @@ def test_ckpt_imports_no_private_sibling_module() -> None:
 
 def test_the_check_sees_each_form_of_private_import() -> None:
     source = """
-import fsdp._common
-from fsdp._fsdp_state import get_fsdp_state
+import fsdp._runtime._common
+from fsdp._wrapper._fsdp_state import get_fsdp_state
 from fsdp import _collectives
 def later():
     from zero_optim._partition import partition
@@ -58,8 +58,8 @@ from fsdp.units import flat_units
 from ckpt._chunks import chunk_bounds
 """
     assert _private_imports(source) == [
-        "fsdp._common",
-        "fsdp._fsdp_state",
+        "fsdp._runtime._common",
+        "fsdp._wrapper._fsdp_state",
         "fsdp._collectives",
         "zero_optim._partition",
         "flatparam._shard",

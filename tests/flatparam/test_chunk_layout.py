@@ -155,5 +155,5 @@ def test_bad_tensors() -> None:
         layout.local_views(torch.zeros(5), 0)
     with pytest.raises(ValueError, match="rank 2 is out of range"):
         layout.rows(0, 2)
-    with pytest.raises(TypeError, match="ChunkLayout.build: world_size must be an integer"):
+    with pytest.raises(TypeError, match=r"ChunkLayout\.build: world_size must be an integer"):
         ChunkLayout.build([(4,)], 2.0)  # type: ignore[arg-type]

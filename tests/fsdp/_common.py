@@ -24,9 +24,9 @@ def use_native_collectives() -> None:
     from broadcasts and all-to-alls ([Note: gloo's sharded collectives]), which
     ``tests/fsdp/test_gloo_collectives.py`` checks.
     """
-    import fsdp._collectives
+    import fsdp._runtime._collectives
 
-    fsdp._collectives.GLOO_COMPOSITES = False
+    fsdp._runtime._collectives.GLOO_COMPOSITES = False
 
 
 VOCAB = 13

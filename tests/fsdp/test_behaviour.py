@@ -224,7 +224,7 @@ def _mode_net(mode: str) -> Net:
 def unusual_graphs() -> dict[str, Any]:
     """Unused units, outputs that do not reach the loss, two forwards per backward."""
     import fsdp
-    from fsdp._flat_param_unit import ShardState
+    from fsdp._wrapper._flat_param_unit import ShardState
     from fsdp.wrap import ModuleWrapPolicy
 
     out: dict[str, Any] = {}
@@ -251,7 +251,7 @@ def unusual_graphs() -> dict[str, Any]:
 
 @check
 def eval_between_steps() -> dict[str, Any]:
-    from fsdp._flat_param_unit import ShardState
+    from fsdp._wrapper._flat_param_unit import ShardState
 
     data = batches(4)
     out: dict[str, Any] = {}

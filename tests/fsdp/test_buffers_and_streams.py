@@ -147,12 +147,12 @@ def _buffers_rank() -> dict[str, Any]:
                 loss_fn(model(x), y).backward()
                 opt.step()
                 opt.zero_grad()
-                grad_buffers.append([id(u._padded_grad) for u in units])
+                grad_buffers.append([id(u.storage._padded_grad) for u in units])
                 idle_grad_bytes.append(
                     sum(
-                        u._padded_grad.untyped_storage().nbytes()
+                        u.storage._padded_grad.untyped_storage().nbytes()
                         for u in units
-                        if u._padded_grad is not None
+                        if u.storage._padded_grad is not None
                     )
                 )
         in_place = [inp == outp + rank * nbytes for inp, outp, nbytes in gathers]
@@ -199,7 +199,7 @@ def test_unshard_and_reduce_reuse_buffers(world_size: int) -> None:
 
 
 def test_pinned_memory_only_for_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
-    from fsdp._device import pins_host_memory
+    from fsdp._runtime._device import pins_host_memory
 
     assert not pins_host_memory(torch.device("cpu"))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -263,9 +263,9 @@ _UNITS: list[Any] = []
 def _buffer_name(t: Tensor) -> str:
     """Which unit buffer ``t`` is (by identity), for the log."""
     for i, u in enumerate(_UNITS):
-        if t is u._padded_unsharded:
+        if t is u.storage.gathered:
             return f"gathered{i}"
-        if t is u._padded_grad:
+        if t is u.storage._padded_grad:
             return f"padded_grad{i}"
         if t is u.flat_param.grad:
             return f"grad{i}"
@@ -273,12 +273,12 @@ def _buffer_name(t: Tensor) -> str:
 
 
 def _install_recorders(model: Any) -> None:
-    import fsdp._collectives as collectives
-    import fsdp._flat_param_unit as fpu
+    import fsdp._runtime._collectives as collectives
+    import fsdp._runtime._sharded_storage as fpu
 
     _UNITS[:] = _units(model)
     for i, u in enumerate(_UNITS):
-        u.streams = _RecordingStreams(i)
+        u.storage.streams = _RecordingStreams(i)
         u.use_unsharded_views = _logged(u.use_unsharded_views, i, "views")
 
     for name in ("all_gather_single", "reduce_scatter_single", "all_reduce"):
@@ -290,7 +290,7 @@ def _install_recorders(model: Any) -> None:
 
         setattr(dist, name, spy)
 
-    free = fpu._free_storage
+    free = fpu.free_storage
 
     def logged_free(t: Tensor) -> None:
         if t.untyped_storage().nbytes() != 0:
@@ -300,7 +300,7 @@ def _install_recorders(model: Any) -> None:
             _LOG.append((unit, "free", _CURRENT[0], name))
         free(t)
 
-    fpu._free_storage = logged_free
+    fpu.free_storage = logged_free
     wait = collectives.PendingCollective.wait
 
     def logged_wait(self: Any) -> None:
@@ -467,7 +467,7 @@ def test_stream_ordering_with_a_recording_fake(kw_name: str) -> None:
 
 
 def test_cpu_streams_are_a_no_op() -> None:
-    from fsdp._streams import Stream, Streams, streams_for
+    from fsdp._runtime._streams import Stream, Streams, streams_for
 
     s = streams_for(torch.device("cpu"))
     assert type(s) is Streams and not s.enabled
@@ -479,8 +479,8 @@ def test_cpu_streams_are_a_no_op() -> None:
 def test_cuda_streams_wiring_with_torch_cuda_stubbed(monkeypatch: pytest.MonkeyPatch) -> None:
     """CudaStreams' calls into torch.cuda, with torch.cuda stubbed: which stream
     object waits on which, which is current inside ``use``, and the guards."""
-    import fsdp._streams as streams_mod
-    from fsdp._streams import CudaStreams, Stream, streams_for
+    import fsdp._runtime._streams as streams_mod
+    from fsdp._runtime._streams import CudaStreams, Stream, streams_for
 
     calls: list[tuple[Any, ...]] = []
     current: list[Any] = []

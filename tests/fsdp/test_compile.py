@@ -1,6 +1,6 @@
 """``torch.compile`` of a model wrapped with ``use_orig_params=True`` trains like DDP.
 
-The FSDP hooks run eagerly (``fsdp._common.eager_only``), so Dynamo compiles
+The FSDP hooks run eagerly (``fsdp._runtime._common.eager_only``), so Dynamo compiles
 the blocks' own computation between them: one graph for the two identical
 blocks, compiled once (no recompilation in later steps although the gathered
 views are new tensors each step). Inductor may fuse differently from eager

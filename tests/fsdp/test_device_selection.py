@@ -14,9 +14,9 @@ import pytest
 import torch
 from torch import nn
 
-from fsdp._device import default_cuda_device
-from fsdp._init import resolve_compute_device
-from fsdp._root_context import RateLimiter
+from fsdp._runtime._device import default_cuda_device
+from fsdp._runtime._root_context import RateLimiter
+from fsdp._wrapper._init import resolve_compute_device
 
 CPU_PARAMS = list(nn.Linear(2, 2).parameters())
 

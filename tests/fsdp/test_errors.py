@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp import CPUOffload, FullyShardedDataParallel, MixedPrecision
-from fsdp._init import CudaUnavailableError
+from fsdp._wrapper._init import CudaUnavailableError
 from tests.fsdp._common import Block, batches, loss_fn, make_net
 from tests.ranks import run_ranks
 

@@ -51,7 +51,7 @@ def _sent_bytes() -> Iterator[Counter[str]]:
 
 def _compare(group: Any) -> dict[str, Any]:
     """Composite vs native on this rank, in ``group``."""
-    import fsdp._collectives as collectives
+    import fsdp._runtime._collectives as collectives
 
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     out: dict[str, Any] = {"gather_diff": 0, "scatter_diff": 0.0, "scatter_vs_rank_order": 0}

@@ -60,7 +60,7 @@ class Recorder:
         for s in model._fsdp_state.ctx.states:
             inner = s.module._fsdp_wrapped_module
             name = "root" if s.is_root else _name(model, s.module)
-            self.names[id(s.unit._padded_unsharded)] = name
+            self.names[id(s.unit.storage.gathered)] = name
             inner.register_forward_pre_hook(self._compute_hook(name))
 
     def _compute_hook(self, name: str) -> Callable[..., None]:
@@ -76,10 +76,10 @@ class Recorder:
         self.max_gathered = max(self.max_gathered, len(self.gathered()))
 
     def gathered(self) -> list[str]:
-        from fsdp._flat_param_unit import ShardState
+        from fsdp._wrapper._flat_param_unit import ShardState
 
         return [
-            self.names[id(s.unit._padded_unsharded)]
+            self.names[id(s.unit.storage.gathered)]
             for s in self.model._fsdp_state.ctx.states
             if not s.is_root and s.unit.state is not ShardState.SHARDED
         ]
@@ -87,7 +87,7 @@ class Recorder:
     @contextmanager
     def spying(self) -> Iterator[None]:
         """Record an ``issue`` event at every all-gather of a unit's parameters."""
-        import fsdp._flat_param_unit as fpu
+        import fsdp._runtime._sharded_storage as fpu
 
         original = fpu.all_gather_into
 

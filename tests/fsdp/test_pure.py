@@ -17,11 +17,11 @@ import torch
 from torch import Tensor, nn
 
 from fsdp import MixedPrecision
-from fsdp._collectives import all_gather_into, gradient_divide_factors, reduce_scatter_into
-from fsdp._common import apply_to_tensors, cast_floating_tensors, clean_fqn
-from fsdp._exec_order import ExecOrder
-from fsdp._flat_param_unit import FlatParamUnit, ShardState, UnitConfig
-from fsdp._init import collect_unit_params
+from fsdp._runtime._collectives import all_gather_into, gradient_divide_factors, reduce_scatter_into
+from fsdp._runtime._common import apply_to_tensors, cast_floating_tensors, clean_fqn
+from fsdp._runtime._exec_order import ExecOrder
+from fsdp._wrapper._flat_param_unit import FlatParamUnit, ShardState, UnitConfig
+from fsdp._wrapper._init import collect_unit_params
 from fsdp.wrap import (
     CustomPolicy,
     ModuleWrapPolicy,
@@ -359,7 +359,7 @@ def test_enable_wrap() -> None:
 def test_forward_issues_ahead_by_default_on_every_device(device: str) -> None:
     # [Note: issue-ahead]: the default issues ahead on CUDA too, since our gathers
     # wait for the compute stream; on entry only without both flags.
-    from fsdp._fsdp_state import FSDPState
+    from fsdp._wrapper._fsdp_state import FSDPState
 
     def issue_ahead(forward_prefetch: bool, limit_all_gathers: bool) -> bool:
         state = FSDPState(

@@ -168,7 +168,7 @@ def test_nccl_world_size_1(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> N
 def _gloo_cuda_rank() -> dict[str, Any]:
     from fsdp import FullyShardedDataParallel as FSDP  # noqa: N817
     from fsdp import ShardingStrategy
-    from fsdp._device import default_cuda_device
+    from fsdp._runtime._device import default_cuda_device
     from fsdp.wrap import ModuleWrapPolicy
     from zero_optim import ZeroRedundancyOptimizer
 

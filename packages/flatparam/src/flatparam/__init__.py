@@ -9,6 +9,7 @@ zero_optim share them and test them alone.
 
 from flatparam._agreement import check_fingerprints_agree
 from flatparam._chunk_layout import ChunkLayout
+from flatparam._clean_exit import register_clean_exit
 from flatparam._flat_param import (
     FlatParameter,
     ParamInfo,
@@ -48,6 +49,7 @@ __all__ = [
     "check_fingerprints_agree",
     "named_backend_failures",
     "pad_flat",
+    "register_clean_exit",
     "shard_flat",
     "unpad_flat",
     "unshard_flat",

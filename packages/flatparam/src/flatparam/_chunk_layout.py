@@ -108,8 +108,14 @@ class ChunkLayout:
         ``dims`` (default all 0) may be negative, counted from the end as in
         ``Shard(dim)``.
         """
-        full = tuple(tuple(_as_int("shapes", s, "ChunkLayout.build") for s in shape) for shape in shapes)
-        raw = [0] * len(full) if dims is None else [_as_int("dims", d, "ChunkLayout.build") for d in dims]
+        full = tuple(
+            tuple(_as_int("shapes", s, "ChunkLayout.build") for s in shape) for shape in shapes
+        )
+        raw = (
+            [0] * len(full)
+            if dims is None
+            else [_as_int("dims", d, "ChunkLayout.build") for d in dims]
+        )
         if len(raw) != len(full):
             raise ValueError(
                 f"ChunkLayout.build needs one dim per shape, got {len(full)} shapes "
@@ -126,7 +132,8 @@ class ChunkLayout:
     @cached_property
     def _chunks(self) -> tuple[int, ...]:
         return tuple(
-            -(-shape[dim] // self.world_size) for shape, dim in zip(self.shapes, self.dims)
+            -(-shape[dim] // self.world_size)
+            for shape, dim in zip(self.shapes, self.dims, strict=True)
         )
 
     @cached_property
@@ -134,7 +141,7 @@ class ChunkLayout:
         # Elements per row along the cut dimension (also when that dimension is empty).
         return tuple(
             math.prod(s for j, s in enumerate(shape) if j != dim)
-            for shape, dim in zip(self.shapes, self.dims)
+            for shape, dim in zip(self.shapes, self.dims, strict=True)
         )
 
     @cached_property
@@ -291,8 +298,9 @@ class ChunkLayout:
                 continue  # an empty slot (torch._chunk_cat refuses empty tensors)
             if self.dims[i] != 0 and self.world_size > 1:
                 # Bring each rank's chunk together as the rows of a dim-0 chunk.
-                t = torch.cat(torch.chunk(t, self.world_size, dim=self.dims[i]), dim=0)
-            tensors.append(t)
+                tensors.append(torch.cat(torch.chunk(t, self.world_size, dim=self.dims[i])))
+            else:
+                tensors.append(t)
         if not tensors:
             return
         rows = out.view(self.world_size, self.shard_numel)

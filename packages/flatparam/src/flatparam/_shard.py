@@ -228,8 +228,7 @@ def _as_int(name: str, value: object, fn: str = "ShardLayout.build") -> int:
         return operator.index(value)  # type: ignore[arg-type]
     except TypeError:
         raise TypeError(
-            f"{fn}: {name} must be an integer, got {value!r} "
-            f"({type(value).__name__}); pass an int"
+            f"{fn}: {name} must be an integer, got {value!r} ({type(value).__name__}); pass an int"
         ) from None
 
 

@@ -1,18 +1,20 @@
-"""fsdp: FullyShardedDataParallel, a drop-in for torch's FSDP1 wrapper.
+"""fsdp: fully sharded data parallelism, torch's two APIs over one runtime.
 
-``from fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy`` replaces
-``from torch.distributed.fsdp import ...``; the wrap policies are in
-:mod:`fsdp.wrap`. Tools that read or fill a wrapped model's shards use the
-public layout in :mod:`fsdp.units` and :mod:`fsdp.shards`. See the package README
-for the design.
+``from fsdp import fully_shard, FSDPModule, MixedPrecisionPolicy`` replaces torch's
+FSDP2 (``from torch.distributed.fsdp import fully_shard, ...``), and
+``from fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy`` torch's FSDP1
+wrapper; the wrap policies are in :mod:`fsdp.wrap`. Tools that read or fill a wrapped
+model's shards use the public layout in :mod:`fsdp.units` and :mod:`fsdp.shards`. See
+the package README for the design.
 """
 
-from flatparam import CollectiveError, RankDisagreementError
-from fsdp._clean_exit import register_clean_exit
-from fsdp._common import TrainingState, TrainingStateError
-from fsdp._memory import MemoryEstimate, UnitSize, estimate_memory
-from fsdp._torch_types import to_fsdp_policy, to_fsdp_type
+import torch.distributed
+
+from flatparam import CollectiveError, RankDisagreementError, register_clean_exit
+from fsdp._runtime._common import TrainingState, TrainingStateError
 from fsdp._version import __version__
+from fsdp._wrapper._memory import MemoryEstimate, UnitSize, estimate_memory
+from fsdp._wrapper._torch_types import to_fsdp_policy, to_fsdp_type
 from fsdp.api import (
     BackwardPrefetch,
     CPUOffload,
@@ -73,4 +75,4 @@ __all__ = [
     "unwrapped_name",
 ]
 
-register_clean_exit()
+register_clean_exit(torch.distributed)

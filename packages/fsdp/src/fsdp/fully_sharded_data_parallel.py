@@ -20,22 +20,22 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     ActivationWrapper,
 )
 
-from fsdp import _grad_norm, _init
-from fsdp._common import (
+from fsdp._runtime._common import (
     FLAT_PARAM,
     FROZEN_FLAT_PARAM,
     FSDP_WRAPPED_MODULE,
     TrainingState,
     clean_fqn,
 )
-from fsdp._deferred_init import has_meta_states, materialize_unit, modules_to_materialize
-from fsdp._fsdp_state import FSDPState, get_fsdp_state
-from fsdp._ignored import resolve_ignored
-from fsdp._process_groups import HYBRID_STRATEGIES, resolve_process_groups
-from fsdp._state_dict import ckpt_module, register_state_dict_hooks
-from fsdp._summon import summon_full_params as _summon_full_params
-from fsdp._summon import summon_unit
-from fsdp._torch_types import to_fsdp_policy, to_fsdp_type
+from fsdp._wrapper import _grad_norm, _init
+from fsdp._wrapper._deferred_init import has_meta_states, materialize_unit, modules_to_materialize
+from fsdp._wrapper._fsdp_state import FSDPState, get_fsdp_state
+from fsdp._wrapper._ignored import resolve_ignored
+from fsdp._wrapper._process_groups import HYBRID_STRATEGIES, resolve_process_groups
+from fsdp._wrapper._state_dict import ckpt_module, register_state_dict_hooks
+from fsdp._wrapper._summon import summon_full_params as _summon_full_params
+from fsdp._wrapper._summon import summon_unit
+from fsdp._wrapper._torch_types import to_fsdp_policy, to_fsdp_type
 from fsdp.api import (
     BackwardPrefetch,
     CPUOffload,

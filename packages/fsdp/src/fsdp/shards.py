@@ -27,9 +27,9 @@ import torch
 from torch import Tensor, nn
 
 from flatparam import FlatParameter
-from fsdp._common import TrainingState, clean_fqn
-from fsdp._flat_param_unit import ShardState
-from fsdp._fsdp_state import get_fsdp_state
+from fsdp._runtime._common import TrainingState, clean_fqn
+from fsdp._wrapper._flat_param_unit import ShardState
+from fsdp._wrapper._fsdp_state import get_fsdp_state
 from fsdp.units import flat_units
 
 __all__ = ["LocalShard", "is_flat_parameter", "local_shards", "unwrapped_name"]

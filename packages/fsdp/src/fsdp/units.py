@@ -56,10 +56,16 @@ import torch
 from torch import Tensor, nn
 
 from flatparam import FlatParameter, ShardLayout, ShardPiece, unpad_flat
-from fsdp._collectives import all_gather_into
-from fsdp._common import FLAT_PARAM, FROZEN_FLAT_PARAM, FSDP_PREFIX, TrainingState, clean_fqn
-from fsdp._flat_param_unit import FlatParamUnit
-from fsdp._fsdp_state import FSDPState, get_fsdp_state
+from fsdp._runtime._collectives import all_gather_into
+from fsdp._runtime._common import (
+    FLAT_PARAM,
+    FROZEN_FLAT_PARAM,
+    FSDP_PREFIX,
+    TrainingState,
+    clean_fqn,
+)
+from fsdp._wrapper._flat_param_unit import FlatParamUnit
+from fsdp._wrapper._fsdp_state import FSDPState, get_fsdp_state
 from fsdp.api import ShardingStrategy
 
 __all__ = [

@@ -354,7 +354,7 @@ def _post_order_apply(
 
 def _cast_around_module(module: nn.Module) -> None:
     """Run ``module`` in fp32 inside a mixed-precision model: cast inputs up, outputs back."""
-    from fsdp._common import apply_to_tensors
+    from fsdp._runtime._common import apply_to_tensors
 
     state: dict[str, torch.dtype] = {}
 

@@ -4,8 +4,9 @@ A drop-in for ``torch.distributed.optim.ZeroRedundancyOptimizer`` and for
 torch's ``ddp_zero_hook`` comm hooks; see the package README.
 """
 
-from flatparam import CollectiveError, RankDisagreementError
-from zero_optim._clean_exit import register_clean_exit
+import torch.distributed
+
+from flatparam import CollectiveError, RankDisagreementError, register_clean_exit
 from zero_optim._ddp_hooks import (
     hook_with_zero_step,
     hook_with_zero_step_interleaved,
@@ -27,4 +28,4 @@ __all__ = [
     "sorted_greedy_partition",
 ]
 
-register_clean_exit()
+register_clean_exit(torch.distributed)

@@ -27,9 +27,9 @@ from collections.abc import Generator, Sequence
 import torch
 from torch import Tensor, nn
 
-from fsdp._common import FLAT_PARAM, FROZEN_FLAT_PARAM, TrainingState
-from fsdp._flat_param_unit import ShardState
-from fsdp._fsdp_state import FSDPState, get_fsdp_state
+from fsdp._runtime._common import FLAT_PARAM, FROZEN_FLAT_PARAM, TrainingState
+from fsdp._wrapper._flat_param_unit import ShardState
+from fsdp._wrapper._fsdp_state import FSDPState, get_fsdp_state
 
 __all__ = ["summon_full_params", "summon_unit"]
 

@@ -12,15 +12,13 @@ tree across ranks first, in one all-to-all of a few bytes, and raises
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from flatparam import check_fingerprints_agree
-from fsdp._collective_failure import backend_failures, unit_name
+from fsdp._runtime._agreement import check_agree, group_size
+from fsdp._runtime._collective_failure import unit_name
 
 __all__ = ["check_broadcast_agrees", "check_ranks_agree", "fsdp_fingerprint", "unit_summary"]
 
@@ -72,7 +70,7 @@ def fsdp_fingerprint(states: Sequence[Any]) -> dict[str, str]:
         "use_orig_params": str(getattr(root, "_use_orig_params", None)),
         "cpu_offload": repr(getattr(root, "cpu_offload", None)),
         "process group size": str(getattr(root, "world_size", None)),
-        "replica group size": str(_size(getattr(root, "_inter_node_pg", None))),
+        "replica group size": str(group_size(getattr(root, "_inter_node_pg", None))),
         "number of FSDP units": str(len(states)),
     }
     for i, s in enumerate(states):
@@ -88,23 +86,17 @@ def check_ranks_agree(states: Sequence[Any]) -> None:
     """Raise the same :class:`RankDisagreementError` on every rank whose tree differs."""
     root = states[0].module
     groups = [getattr(root, "process_group", None), getattr(root, "_inter_node_pg", None)]
-    fingerprint: dict[str, str] | None = None
-    for group in groups:
-        if group is None or _size(group) <= 1:
-            continue
-        if fingerprint is None:
-            fingerprint = fsdp_fingerprint(states)
-        device = states[0].compute_device if dist.get_backend(group) == "nccl" else None
-        check_fingerprints_agree(
-            "fsdp lazy init",
-            fingerprint,
-            world_size=_size(group),
-            all_to_all=functools.partial(_all_to_all, group=group),
-            device=device or torch.device("cpu"),
-            where=_WHERE,
-            fixes=_FIXES,
-            default_fix=_DEFAULT_FIX,
-        )
+    if all(group_size(g) <= 1 for g in groups):
+        return
+    check_agree(
+        "fsdp lazy init",
+        fsdp_fingerprint(states),
+        groups,
+        device=states[0].compute_device,
+        where=_WHERE,
+        fixes=_FIXES,
+        default_fix=_DEFAULT_FIX,
+    )
 
 
 def check_broadcast_agrees(tensors: Sequence[torch.Tensor], groups: Sequence[Any]) -> None:
@@ -118,28 +110,16 @@ def check_broadcast_agrees(tensors: Sequence[torch.Tensor], groups: Sequence[Any
     for i, t in enumerate(tensors):
         dtype = str(t.dtype).removeprefix("torch.")
         fingerprint[f"parameter/buffer {i}"] = f"{tuple(t.shape)} {dtype} on {t.device.type}"
-    for group in groups:
-        device = tensors[0].device if dist.get_backend(group) == "nccl" else torch.device("cpu")
-        check_fingerprints_agree(
-            "fsdp sync_module_states",
-            fingerprint,
-            world_size=_size(group),
-            all_to_all=functools.partial(_all_to_all, group=group),
-            device=device,
-            where="FullyShardedDataParallel(sync_module_states=True) (construction)",
-            fixes={},
-            default_fix="Build the same model on every rank (same sizes and dtypes) before "
-            "wrapping it.",
-        )
-
-
-def _all_to_all(output: torch.Tensor, input: torch.Tensor, *, group: Any) -> None:
-    with backend_failures("all_to_all", "the FSDP agreement step (lazy init)"):
-        dist.all_to_all_single(output, input, group=group)
-
-
-def _size(group: Any) -> int:
-    return 1 if group is None else int(dist.get_world_size(group))
+    check_agree(
+        "fsdp sync_module_states",
+        fingerprint,
+        groups,
+        device=tensors[0].device,
+        where="FullyShardedDataParallel(sync_module_states=True) (construction)",
+        fixes={},
+        default_fix="Build the same model on every rank (same sizes and dtypes) before "
+        "wrapping it.",
+    )
 
 
 def _name(value: Any) -> str:

@@ -21,11 +21,11 @@ import torch.distributed as dist
 from torch import nn
 
 from flatparam import ParamInfo, SharedParamInfo
-from fsdp._common import clean_fqn
-from fsdp._deferred_init import IGNORED, TIED, broadcast_module_states
-from fsdp._device import default_cuda_device
-from fsdp._flat_param_unit import FlatParamUnit, UnitConfig
-from fsdp._process_groups import ProcessGroups
+from fsdp._runtime._common import clean_fqn
+from fsdp._runtime._device import default_cuda_device
+from fsdp._wrapper._deferred_init import IGNORED, TIED, broadcast_module_states
+from fsdp._wrapper._flat_param_unit import FlatParamUnit, UnitConfig
+from fsdp._wrapper._process_groups import ProcessGroups
 from fsdp.api import CPUOffload, MixedPrecision, ShardingStrategy
 
 __all__ = [
@@ -140,7 +140,7 @@ def resolve_compute_device(
     ``device_id`` wins (see :func:`normalize_device_id`); else the device the
     parameters are on, where a CPU module moves to CUDA if there is CUDA, as
     torch's FSDP does; CPU otherwise. A CUDA device without an index is
-    :func:`~fsdp._device.default_cuda_device` (``LOCAL_RANK`` under torchrun).
+    :func:`~fsdp._runtime._device.default_cuda_device` (``LOCAL_RANK`` under torchrun).
     """
     if device_id is not None:
         device = normalize_device_id(device_id)

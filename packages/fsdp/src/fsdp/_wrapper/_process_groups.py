@@ -13,7 +13,7 @@ the sum over its shard group of its chunk) and that chunk is then
 all-reduced across the replicate group (the sum over every rank). The
 average over all ``shard_size * replicate_size`` ranks, as DDP computes it,
 is split into a pre-division before the reduce-scatter and a post-division
-after the all-reduce (:func:`~fsdp._collectives.gradient_divide_factors` of
+after the all-reduce (:func:`~fsdp._runtime._collectives.gradient_divide_factors` of
 the data-parallel world size), as torch's FSDP does. Replicas hold equal
 shards, so anything that needs every rank's piece of a gradient or a
 parameter (gradient norms, ``summon_full_params``) only talks to the shard

@@ -38,8 +38,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from fsdp._agreement import check_broadcast_agrees
-from fsdp._process_groups import ProcessGroups
+from fsdp._wrapper._agreement import check_broadcast_agrees
+from fsdp._wrapper._process_groups import ProcessGroups
 
 __all__ = [
     "broadcast_module_states",

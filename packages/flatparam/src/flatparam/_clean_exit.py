@@ -15,8 +15,9 @@ and ``gc.collect()`` 0 in 40. That is evidence, not proof: the root cause is ins
 gloo/c10d teardown. Non-daemon threads (an asynchronous checkpoint) have been
 joined by then; destroying a gloo group is local and closes its sockets, which
 makes any peer still waiting on this rank fail at once instead of at its
-timeout. fsdp and zero_optim each register the hook on import; it does nothing
-when no group is left.
+timeout. fsdp and zero_optim each register the hook on import, handing in
+``torch.distributed`` (flatparam itself never imports it); the hook runs once
+per process and does nothing when no group is left.
 """
 
 from __future__ import annotations
@@ -24,13 +25,17 @@ from __future__ import annotations
 import atexit
 import contextlib
 import gc
-
-import torch.distributed as dist
+from types import ModuleType
 
 __all__ = ["register_clean_exit"]
 
+_dist: list[ModuleType] = []  # the torch.distributed handed in, once
+
 
 def _destroy_default_group() -> None:
+    if not _dist:
+        return
+    dist = _dist[0]
     if dist.is_available() and dist.is_initialized():
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
@@ -40,7 +45,11 @@ def _destroy_default_group() -> None:
         gc.collect()
 
 
-def register_clean_exit() -> None:
-    """Register the exit hook once per process (see [Note: clean exit])."""
+def register_clean_exit(distributed: ModuleType) -> None:
+    """Destroy ``distributed``'s default process group at exit, once per process.
+
+    ``distributed`` is ``torch.distributed``; see [Note: clean exit].
+    """
+    _dist[:] = [distributed]
     atexit.unregister(_destroy_default_group)  # at most once, whoever registered it before
     atexit.register(_destroy_default_group)

@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from fsdp._collective_failure import backend_failures
+from fsdp._runtime._collective_failure import backend_failures
 
 __all__ = [
     "PendingCollective",

@@ -3,9 +3,9 @@
 :class:`FSDPState` is the run-time half of one ``FullyShardedDataParallel``
 instance (the public class in ``fully_sharded_data_parallel.py`` holds one and
 forwards to it). It owns the instance's :class:`TrainingState` and decides,
-from the hooks below, when its :class:`~fsdp._flat_param_unit.FlatParamUnit`
+from the hooks below, when its :class:`~fsdp._wrapper._flat_param_unit.FlatParamUnit`
 changes form. The root instance additionally creates the shared
-:class:`~fsdp._root_context.RootContext` and runs the end-of-backward callback.
+:class:`~fsdp._runtime._root_context.RootContext` and runs the end-of-backward callback.
 
 [Note: one training step]
 For a unit ``u`` with parameters (FULL_SHARD unless noted):
@@ -48,9 +48,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from fsdp._agreement import check_ranks_agree
-from fsdp._collective_failure import in_phase
-from fsdp._common import (
+from fsdp._runtime._collective_failure import in_phase
+from fsdp._runtime._common import (
     TrainingState,
     TrainingStateError,
     apply_to_tensors,
@@ -58,8 +57,9 @@ from fsdp._common import (
     eager_only,
     move_tensors_to_device,
 )
-from fsdp._flat_param_unit import FlatParamUnit, ShardState
-from fsdp._root_context import RateLimiter, RootContext
+from fsdp._runtime._root_context import RateLimiter, RootContext
+from fsdp._wrapper._agreement import check_ranks_agree
+from fsdp._wrapper._flat_param_unit import FlatParamUnit, ShardState
 from fsdp.api import BackwardPrefetch, MixedPrecision
 
 __all__ = ["FSDPState", "get_fsdp_state"]
@@ -79,7 +79,7 @@ class FSDPState:
     training_state: TrainingState
     is_root: bool | None  # None until the lazy initialisation at the first forward
     parent: FSDPState | None  # the nearest enclosing FSDP instance, set when it is built
-    ctx: RootContext | None  # shared with the whole tree; set by the root's lazy init
+    ctx: RootContext[FSDPState] | None  # shared with the whole tree; set by the root's lazy init
     sync_gradients: bool  # False inside no_sync()
     compute_device: torch.device
     mixed_precision: MixedPrecision
@@ -190,7 +190,9 @@ class FSDPState:
             )
         check_ranks_agree(states)  # [Note: agreement step] in flatparam
         self.is_root = True
-        ctx = RootContext(states, RateLimiter(self.compute_device, self.limit_all_gathers))
+        limiter = RateLimiter(self.compute_device, self.limit_all_gathers)
+        storages = [s.unit.storage for s in states if s.unit is not None]
+        ctx = RootContext(states, limiter, lambda: storages)
         for s in states:
             s.ctx = ctx
             if s is not self:
@@ -207,7 +209,7 @@ class FSDPState:
                 self.buffer_orig_dtypes[(module, name)] = buf.dtype
                 buf.data = buf.data.to(dtype)
 
-    def _context(self) -> RootContext:
+    def _context(self) -> RootContext[FSDPState]:
         ctx = self.ctx
         if ctx is None:
             raise AssertionError("FSDP runtime used before lazy initialisation")

@@ -59,18 +59,19 @@ sharded gradient, so it does not count towards the bound.
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable
+from typing import Any, Generic, TypeVar
 
 import torch
 
-from fsdp._exec_order import ExecOrder
-from fsdp._flat_param_unit import PendingReduce
-
-if TYPE_CHECKING:
-    from fsdp._fsdp_state import FSDPState
+from fsdp._runtime._exec_order import ExecOrder
+from fsdp._runtime._sharded_storage import PendingReduce, ShardedStorage
 
 __all__ = ["RateLimiter", "RootContext"]
+
+S = TypeVar("S")  # a front end's per-unit state (the wrapper's FSDPState, fully_shard's)
 
 
 class RateLimiter:
@@ -97,18 +98,26 @@ class RateLimiter:
             self._events.popleft().synchronize()
 
 
-class RootContext:
-    """Run-time state shared by every FSDP instance under one root."""
+class RootContext(Generic[S]):
+    """Run-time state shared by every FSDP unit under one root (either front end)."""
 
-    states: list[FSDPState]  # every FSDP instance of the tree, root first (pre-order)
-    exec_order: ExecOrder[FSDPState]
+    states: list[S]  # every unit's state in the tree, root first (pre-order)
+    # The units' storages (asked for at the end of each backward: a unit may rebuild its own).
+    storages: Callable[[], Iterable[ShardedStorage]]
+    exec_order: ExecOrder[S]
     limiter: RateLimiter
     max_reductions_in_flight: int
     callback_queued: bool  # the end-of-backward callback is queued for this backward
-    forward_ahead: FSDPState | None  # gathered ahead of its forward, which has not started
+    forward_ahead: S | None  # gathered ahead of its forward, which has not started
 
-    def __init__(self, states: list[FSDPState], limiter: RateLimiter) -> None:
+    def __init__(
+        self,
+        states: list[S],
+        limiter: RateLimiter,
+        storages: Callable[[], Iterable[ShardedStorage]],
+    ) -> None:
         self.states = states
+        self.storages = storages
         self.exec_order = ExecOrder()
         self.limiter = limiter
         self.max_reductions_in_flight = 1
@@ -124,12 +133,12 @@ class RootContext:
         staged = 0
         for r in self._reductions:
             if r.has_next_stage:
-                r.unit.start_replica_reduce(r)
+                r.owner.start_replica_reduce(r)
                 staged += 1
         self._reductions.append(reduce)
         while len(self._reductions) > self.max_reductions_in_flight + staged:
             oldest = self._reductions.popleft()
-            oldest.unit.finish_reduce_grad(oldest)
+            oldest.owner.finish_reduce_grad(oldest)
 
     def finish_reductions(self) -> None:
         """Complete every reduction in flight, oldest first.
@@ -140,10 +149,17 @@ class RootContext:
         """
         while self._reductions:
             oldest = self._reductions.popleft()
-            oldest.unit.finish_reduce_grad(oldest)
-        for state in self.states:
-            if state.unit is not None:
-                state.unit.wait_for_host_copies()
+            oldest.owner.finish_reduce_grad(oldest)
+        for storage in self.storages():
+            storage.wait_for_host_copies()
+
+    def drop_reductions(self) -> None:
+        """Wait for every reduction in flight and discard its result (an iteration that
+        failed: ``fully_shard``'s ``reset_iter_state``)."""
+        while self._reductions:
+            oldest = self._reductions.popleft()
+            with contextlib.suppress(Exception):  # a failed collective: nothing to keep
+                oldest.collective.wait()
 
     @property
     def reductions_in_flight(self) -> int:

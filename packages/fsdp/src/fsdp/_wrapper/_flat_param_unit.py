@@ -3,8 +3,9 @@
 One FSDP instance manages at most one :class:`FlatParamUnit`. The unit owns
 every tensor that belongs to its parameters and the transitions between their
 forms (:class:`ShardState`); the FSDP state (``_fsdp_state.py``) decides *when*
-to call them from its hooks, and the collectives (``_collectives.py``) do the
-communication.
+to call them from its hooks, and the shared runtime's
+:class:`~fsdp._runtime._sharded_storage.ShardedStorage` gathers the shard and
+reduces the gradient ([Note: sharded storage]).
 
 [Note: storage forms]
 For a unit whose parameters are ``p_0 .. p_{n-1}`` (``full_numel`` elements in
@@ -22,12 +23,12 @@ all, laid out as in [Note: flat parameter views] of flatparam) over
   sharded gradient, laid out the same way. It is never swapped for the
   unsharded data (unlike torch's FSDP), so its shape, dtype and device never
   change under the optimizer.
-- ``_padded_unsharded``: the all-gather output, ``padded_numel`` elements in
+- ``storage.gathered``: the all-gather output, ``padded_numel`` elements in
   the compute dtype (``MixedPrecision.param_dtype``) on the compute device.
   Its storage is freed (resized to 0 bytes) while the unit is SHARDED and
   reallocated before each all-gather; see [Note: storage resizing and autograd].
 - ``_compute_param``: the autograd leaf that forward and backward use, a
-  ``full_numel`` alias of ``_padded_unsharded[:full_numel]``. The modules'
+  ``full_numel`` alias of ``storage.gathered[:full_numel]``. The modules'
   parameter attributes are views of it (``FlatParameter.get_param_views``), so
   every use of a parameter in forward sends its gradient into
   ``_compute_param.grad`` (1D, ``full_numel``, compute dtype).
@@ -73,15 +74,15 @@ Autograd saves, for backward, the parameter views a forward used. FULL_SHARD
 frees the gathered data after the forward and gathers it again before the
 backward, so the saved views must see the new data. They do because freeing
 and reallocating act on the *storage* (``untyped_storage().resize_``), which
-the views, ``_compute_param`` and ``_padded_unsharded`` all share, never on
+the views, ``_compute_param`` and ``storage.gathered`` all share, never on
 the tensors: the same view objects simply point at refilled memory.
 
-Writing the all-gather into ``_padded_unsharded`` must not bump the version
+Writing the all-gather into ``storage.gathered`` must not bump the version
 counter that autograd checks on the saved views (it would report "modified by
 an inplace operation"). ``_compute_param`` gets its storage through ``.data``
 assignment, which keeps its own version counter instead of sharing
-``_padded_unsharded``'s, and its views share ``_compute_param``'s; the
-all-gather only bumps ``_padded_unsharded``'s.
+``storage.gathered``'s, and its views share ``_compute_param``'s; the
+all-gather only bumps ``storage.gathered``'s.
 """
 
 from __future__ import annotations
@@ -103,16 +104,15 @@ from flatparam import (
     shard_flat,
     unpad_flat,
 )
-from fsdp._collectives import (
-    PendingCollective,
-    all_gather_into,
-    all_reduce_inplace,
-    gradient_divide_factors,
-    reduce_scatter_into,
+from fsdp._runtime._collectives import all_gather_into, gradient_divide_factors
+from fsdp._runtime._device import pins_host_memory
+from fsdp._runtime._sharded_storage import (
+    PendingReduce,
+    ShardedStorage,
+    alloc_storage,
+    free_storage,
 )
-from fsdp._device import pins_host_memory
-from fsdp._orig_params import OrigParams
-from fsdp._streams import Stream, Streams, streams_for
+from fsdp._wrapper._orig_params import OrigParams
 
 __all__ = ["FlatParamUnit", "PendingReduce", "ShardState", "UnitConfig"]
 
@@ -152,31 +152,6 @@ class UnitConfig:
     use_orig_params: bool = False  # keep the original parameters as views (OrigParams)
 
 
-@dataclass
-class PendingReduce:
-    """A gradient reduction in flight; :meth:`FlatParamUnit.finish_reduce_grad` completes it.
-
-    A hybrid-sharded unit reduces in two collectives: ``collective`` is the
-    reduce-scatter until :meth:`FlatParamUnit.start_replica_reduce` replaces
-    it by the all-reduce across replicas (``replicate_group`` is then None).
-    """
-
-    unit: FlatParamUnit
-    collective: PendingCollective
-    output: Tensor  # 1D: the reduced gradient (sharded, or full for NO_SHARD), reduce dtype
-    postdivide: float  # divide ``output`` by this after the collective (1.0: nothing)
-    replicate_group: Any = None  # the all-reduce still to issue after ``collective``
-    padded: Tensor | None = None  # the unit's reusable padded gradient, if this reads it
-    # On CUDA: the post-backward stream's event after ``output`` is final (reduced, divided,
-    # cast, and under CPUOffload copied to the host); None on the CPU ([Note: stream ordering])
-    event: Any = None
-
-    @property
-    def has_next_stage(self) -> bool:
-        """Whether a collective across replicas still has to be issued."""
-        return self.replicate_group is not None
-
-
 class FlatParamUnit:
     """One FlatParameter with its gathered form, gradient reduction and views.
 
@@ -194,18 +169,11 @@ class FlatParamUnit:
     compute_dtype: torch.dtype  # dtype of the gathered parameters
     reduce_dtype: torch.dtype  # dtype of the gradient reduction
     aliased: bool  # _compute_param is flat_param (nothing to gather or cast)
-    _padded_unsharded: Tensor | None  # 1D [padded_numel] compute dtype; None when aliased
-    # 1D [padded_numel] reduce dtype: the reduce-scatter's input, reused every backward;
-    # storage allocated only while a reduction reads it ([Note: gradient padding])
-    _padded_grad: Tensor | None
-    _pinned: bool  # CPUOffload on CUDA: host shard and gradients pinned, copies non-blocking
-    _host_grad_event: Any  # a non-blocking copy into flat_param.grad not yet waited for
-    streams: Streams  # the device's streams; a no-op on the CPU ([Note: stream ordering])
-    _gathered_event: Any  # the unshard stream's event after the gather (streams enabled)
+    # Gather and reduce of flat_param ([Note: sharded storage]); its gathered buffer is
+    # never allocated when the unit is aliased.
+    storage: ShardedStorage
     _compute_param: Tensor  # 1D [full_numel] compute dtype, autograd leaf
-    _pending_unshard: PendingCollective | None  # the all-gather while UNSHARDING
     _placeholders: list[Tensor]  # meta tensors, one per original parameter
-    _divide: tuple[float, float]  # (pre, post) gradient division factors
     orig: OrigParams | None  # the original parameters under use_orig_params, else None
     frozen_part: FlatParamUnit | None  # the frozen parameters of a mixed unit ([Note: frozen part])
 
@@ -246,14 +214,26 @@ class FlatParamUnit:
         sharded_data = shard_flat(flat.detach(), self.layout, rank) if config.shard else flat.data
         param_device = torch.device("cpu") if config.offload_params else config.compute_device
         flat.data = sharded_data.to(param_device)
-        self._pinned = config.offload_params and pins_host_memory(config.compute_device)
-        if self._pinned:
+        pinned = config.offload_params and pins_host_memory(config.compute_device)
+        if pinned:
             # Page-locked, so the host-to-device copy at each unshard is asynchronous.
             flat.data = flat.data.pin_memory()
-        self._padded_grad = None
-        self._host_grad_event = None
-        self.streams = streams_for(config.compute_device)
-        self._gathered_event = None
+        self.storage = ShardedStorage(
+            flat,
+            padded_numel=self.layout.padded_numel,
+            sharded=config.shard,
+            group=config.group,
+            rank=rank,
+            world_size=config.world_size,
+            compute_device=config.compute_device,
+            compute_dtype=self.compute_dtype,
+            offload=config.offload_params,
+            pinned=pinned,
+            replicate_group=config.replicate_group,
+            replicate_size=config.replicate_size,
+            divide=gradient_divide_factors(config.world_size * config.replicate_size),
+            keep_low_precision_grads=config.keep_low_precision_grads,
+        )
         self.flat_param = flat
         self._placeholders = [
             torch.empty(p.shape, dtype=self.compute_dtype, device="meta") for p in params
@@ -279,22 +259,17 @@ class FlatParamUnit:
         self.aliased = (
             not config.shard and self.compute_dtype == self.orig_dtype and not config.offload_params
         )
-        self._pending_unshard = None
-        self._divide = gradient_divide_factors(config.world_size * config.replicate_size)
         if self.aliased:
-            self._padded_unsharded = None
             self._compute_param = flat
         else:
-            padded = torch.empty(
-                self.layout.padded_numel, dtype=self.compute_dtype, device=config.compute_device
-            )
             compute = torch.empty(0, dtype=self.compute_dtype, device=config.compute_device)
+            gathered = self.storage.gathered
+            alloc_storage(gathered, self.layout.padded_numel)  # a view needs room, once
             # .data assignment: see [Note: storage resizing and autograd] for why not a view.
-            compute.data = unpad_flat(padded, self.layout)
+            compute.data = unpad_flat(gathered, self.layout)
             compute.requires_grad_(requires_grad)
-            self._padded_unsharded = padded
             self._compute_param = compute
-            _free_storage(padded)
+            free_storage(gathered)
         self.state = ShardState.SHARDED
         self._use_placeholders()
 
@@ -325,9 +300,7 @@ class FlatParamUnit:
     def unsharded_storage_bytes(self) -> int:
         """Bytes of gathered parameter storage this unit holds right now (0 when SHARDED)."""
         extra = 0 if self.frozen_part is None else self.frozen_part.unsharded_storage_bytes()
-        if self._padded_unsharded is None:
-            return extra
-        return int(self._padded_unsharded.untyped_storage().nbytes()) + extra
+        return self.storage.gathered_bytes + extra
 
     def iter_param_infos(self) -> Sequence[ParamInfo]:
         """Where each original parameter lived (module, name), in flat order."""
@@ -348,55 +321,15 @@ class FlatParamUnit:
         if self.aliased:
             self.state = ShardState.UNSHARDED
             return
-        padded = self._padded_unsharded
-        assert padded is not None
-        streams = self.streams
-        if not streams.enabled:
-            self._pending_unshard = self._gather_into(padded)
-        else:  # see [Note: stream ordering] (unshard, steps 1-2)
-            streams.wait_stream(Stream.UNSHARD, Stream.COMPUTE)
-            with streams.use(Stream.UNSHARD):
-                self._gather_into(padded).wait()  # the unshard stream waits, not the CPU
-                self._gathered_event = streams.record_event(Stream.UNSHARD)
-            self._pending_unshard = PendingCollective(None)
+        self.storage.start_gather()  # [Note: stream ordering] (unshard, steps 1-2)
         self.state = ShardState.UNSHARDING
-
-    def _gather_into(self, padded: Tensor) -> PendingCollective:
-        """Allocate ``padded``'s storage and fill it with every rank's shard (issued)."""
-        _alloc_storage(padded, self.layout.padded_numel)
-        if not self.config.shard:
-            # cast and/or host-to-device copy
-            padded.copy_(self.flat_param.detach(), non_blocking=self._pinned)
-            return PendingCollective(None)
-        return all_gather_into(padded, self._all_gather_input(padded), self.config.group)
-
-    def _all_gather_input(self, padded: Tensor) -> Tensor:
-        """This rank's chunk, on the compute device, in the compute dtype.
-
-        The shard itself when it already is both; otherwise the cast and/or
-        host-to-device copy goes straight into this rank's slot of the gathered
-        buffer, and the all-gather runs in place (its input is part of its
-        output, which NCCL and gloo both allow): no per-unshard cast buffer.
-        """
-        shard = self.flat_param.detach()
-        if not self.config.offload_params and shard.dtype == self.compute_dtype:
-            return shard
-        start, end = self.layout.bounds(self.config.rank)
-        slot = padded[start:end]
-        slot.copy_(shard, non_blocking=self._pinned)
-        return slot
 
     def wait_for_unshard(self) -> None:
         """Finish the gather (UNSHARDING -> UNSHARDED); the unit must not be SHARDED."""
         if self.frozen_part is not None:
             self.frozen_part.wait_for_unshard()
         if self.state is ShardState.UNSHARDING:
-            assert self._pending_unshard is not None
-            self._pending_unshard.wait()
-            self._pending_unshard = None
-            if self.streams.enabled:  # [Note: stream ordering] (unshard, step 3)
-                self.streams.wait_event(Stream.COMPUTE, self._gathered_event)
-                self._gathered_event = None
+            self.storage.finish_gather()  # [Note: stream ordering] (unshard, step 3)
             self.state = ShardState.UNSHARDED
         if self.state is not ShardState.UNSHARDED:
             raise AssertionError(
@@ -454,11 +387,10 @@ class FlatParamUnit:
         if self.state is ShardState.UNSHARDING:
             self.wait_for_unshard()  # never free memory a collective is writing into
         self._use_placeholders()
-        if self._padded_unsharded is not None:
+        if not self.aliased:
             # [Note: stream ordering] (unshard, step 4): reused only after the compute
             # stream's reads queued so far.
-            self.streams.record_stream(self._padded_unsharded, Stream.COMPUTE)
-            _free_storage(self._padded_unsharded)
+            self.storage.free_gathered()
         self.state = ShardState.SHARDED
 
     # --- gradients -------------------------------------------------------------------------
@@ -478,48 +410,24 @@ class FlatParamUnit:
         """Start reducing the gradient backward produced; ``None`` if there is none.
 
         Sharded units reduce-scatter the padded full gradient into a new shard;
-        ``NO_SHARD`` units all-reduce it. Averaging over ranks is split into a
-        pre- and post-division (:func:`~fsdp._collectives.gradient_divide_factors`).
-        A registered communication hook replaces the collective and the
-        division and runs synchronously (``hook_casts``: the hook handles low
-        precision itself, so the gradient is not cast to the reduce dtype).
-        Call :meth:`finish_reduce_grad` on the result.
-
-        On CUDA everything from the pre-division to the copy to the host runs
-        on the post-backward stream (see [Note: stream ordering]); a
-        communication hook runs on the current stream, as the caller's code.
+        ``NO_SHARD`` units all-reduce it; either through the unit's
+        :class:`~fsdp._runtime._sharded_storage.ShardedStorage`, which splits
+        the average over ranks into a pre- and a post-division
+        (:func:`~fsdp._runtime._collectives.gradient_divide_factors`) and on
+        CUDA runs everything from the padding copy to the copy to the host on
+        the post-backward stream (see [Note: stream ordering]). A registered
+        communication hook replaces the collective and the division and runs
+        synchronously on the current stream, as the caller's code
+        (``hook_casts``: the hook handles low precision itself, so the
+        gradient is not cast to the reduce dtype). Call
+        :meth:`finish_reduce_grad` on the result.
         """
-        streams = self.streams
-        if not streams.enabled or comm_hook is not None:
-            return self._issue_reduce(comm_hook, comm_hook_state, hook_casts)
-        grad = self.flat_param.grad if self.aliased else self._compute_param.grad
-        if grad is None or (self.aliased and self.config.world_size == 1):
-            return None  # nothing to reduce: .grad is final as it is
-        # [Note: stream ordering] (gradient reduction, steps 1-3)
-        streams.wait_stream(Stream.POST_BACKWARD, Stream.COMPUTE)
-        with streams.use(Stream.POST_BACKWARD):
-            streams.record_stream(grad, Stream.POST_BACKWARD)
-            reduce = self._issue_reduce(None, None, False)
-            assert reduce is not None
-            self.start_replica_reduce(reduce)
-            reduce.collective.wait()  # the post-backward stream waits, not the CPU
-            self._release_padded_grad(reduce.padded)
-            reduce.padded = None
-            reduce.output = self._final_grad(reduce.output, reduce.postdivide)
-            reduce.postdivide = 1.0
-            reduce.event = streams.record_event(Stream.POST_BACKWARD)
-        return reduce
-
-    def _issue_reduce(
-        self, comm_hook: Callable[..., Any] | None, comm_hook_state: object, hook_casts: bool
-    ) -> PendingReduce | None:
-        """:meth:`reduce_grad` on the current stream."""
         cfg = self.config
-        pre, post = self._divide
         if self.aliased:
-            grad = self.flat_param.grad
-            if grad is None or (cfg.world_size == 1 and comm_hook is None):
-                return None
+            flat_grad = self.flat_param.grad
+            if flat_grad is None or (cfg.world_size == 1 and comm_hook is None):
+                return None  # nothing to reduce: .grad is final as it is
+            grad = flat_grad
             # Off the parameter while it is reduced: reentrant activation checkpointing
             # can fire this hook again in the same backward, and autograd must then
             # accumulate into a fresh ``.grad``, not into the tensor being all-reduced
@@ -530,88 +438,47 @@ class FlatParamUnit:
             self.flat_param.grad = None
             if comm_hook is not None:
                 comm_hook(comm_hook_state, grad)
-                return PendingReduce(self, PendingCollective(None), grad, 1.0)
-            _div_(grad, pre)
-            pending = all_reduce_inplace(grad, cfg.group, cfg.world_size)
-            return PendingReduce(self, pending, grad, post)
-        grad = self._compute_param.grad
-        if grad is None:
+                return self.storage.hook_reduce(self, grad)
+            return self.storage.reduce(self, lambda: grad, record=(grad,))
+        compute_grad = self._compute_param.grad
+        if compute_grad is None:
             return None
+        grad = compute_grad
         self._compute_param.grad = None
-        if not cfg.shard:
-            if grad.dtype != self.reduce_dtype and not hook_casts:
-                grad = grad.to(self.reduce_dtype)
-            if comm_hook is not None:
-                comm_hook(comm_hook_state, grad)
-                return PendingReduce(self, PendingCollective(None), grad, 1.0)
-            if cfg.world_size == 1:
-                return PendingReduce(self, PendingCollective(None), grad, 1.0)
-            _div_(grad, pre)
-            pending = all_reduce_inplace(grad, cfg.group, cfg.world_size)
-            return PendingReduce(self, pending, grad, post)
-        padded = self._padded_gradient(grad, grad.dtype if hook_casts else self.reduce_dtype)
-        reused = padded if padded is self._padded_grad else None
-        output = torch.empty(self.layout.shard_numel, dtype=padded.dtype, device=padded.device)
+        dtype = grad.dtype if hook_casts else self.reduce_dtype
         if comm_hook is not None:
+            if not cfg.shard:
+                grad = grad.to(dtype)
+                comm_hook(comm_hook_state, grad)
+                return self.storage.hook_reduce(self, grad)
+            padded = self._padded_gradient(grad, dtype)
+            output = torch.empty(self.layout.shard_numel, dtype=padded.dtype, device=padded.device)
             comm_hook(comm_hook_state, padded, output)
-            self._release_padded_grad(reused)
-            return PendingReduce(self, PendingCollective(None), output, 1.0)
-        _div_(padded, pre)
-        pending = reduce_scatter_into(output, padded, cfg.group)
-        return PendingReduce(self, pending, output, post, cfg.replicate_group, reused)
+            self.storage.release_padded_grad(padded)
+            return self.storage.hook_reduce(self, output)
+        if not cfg.shard:
+            return self.storage.reduce(self, lambda: grad.to(dtype), record=(grad,))
+        return self.storage.reduce(self, lambda: self._padded_gradient(grad, dtype), record=(grad,))
 
     def _padded_gradient(self, grad: Tensor, dtype: torch.dtype) -> Tensor:
         """The reduce-scatter's input: ``grad`` padded to ``padded_numel`` in ``dtype``.
 
-        [Note: gradient padding]
         ``grad`` itself when it already is both (no copy); otherwise one copy,
-        which casts and pads at once, into ``_padded_grad``: the same tensor
-        every backward, whose storage exists only while a reduction reads it
-        (allocated here, freed by :meth:`_release_padded_grad` once the
-        reduce-scatter has completed), so the memory between backward passes
-        is what it was, and on CUDA the block comes back from the caching
-        allocator. Only the padding tail (under ``world_size`` elements) is
-        zeroed. If a reduction of this unit still reads it (reentrant
-        activation checkpointing reduces twice in one backward), this one gets
-        a buffer of its own instead of overwriting it.
+        which casts and pads at once, into the storage's reusable padded
+        gradient ([Note: gradient padding] in ``_sharded_storage.py``). Only the
+        padding tail (under ``world_size`` elements) is zeroed.
         """
         layout = self.layout
         if layout.padded_numel == grad.numel() and grad.dtype == dtype:
             return grad
-        buf = self._padded_grad
-        if buf is None or buf.dtype != dtype:
-            buf = torch.empty(layout.padded_numel, dtype=dtype, device=grad.device)
-            _free_storage(buf)
-            self._padded_grad = buf
-        if buf.untyped_storage().nbytes() != 0:  # in flight: see the docstring
-            buf = torch.empty(layout.padded_numel, dtype=dtype, device=grad.device)
-        else:
-            _alloc_storage(buf, layout.padded_numel)
+        buf = self.storage.padded_grad(dtype)
         buf[: layout.full_numel].copy_(grad)
         buf[layout.full_numel :].zero_()
         return buf
 
-    def _release_padded_grad(self, padded: Tensor | None) -> None:
-        """Free the reusable padded gradient once no collective reads it any more."""
-        if padded is not None and padded is self._padded_grad:
-            _free_storage(padded)
-
     def start_replica_reduce(self, reduce: PendingReduce) -> None:
-        """Hybrid sharding: wait for the reduce-scatter, issue the all-reduce across replicas.
-
-        Split from :meth:`reduce_grad` so that the reduce-scatter overlaps
-        computation before anyone waits for it (see [Note: reductions in
-        flight] in ``_root_context.py``); a no-op for other reductions.
-        """
-        if reduce.replicate_group is None:
-            return
-        reduce.collective.wait()
-        self._release_padded_grad(reduce.padded)
-        reduce.padded = None
-        reduce.collective = all_reduce_inplace(
-            reduce.output, reduce.replicate_group, self.config.replicate_size
-        )
-        reduce.replicate_group = None
+        """Hybrid sharding: issue the all-reduce across replicas (see ``ShardedStorage``)."""
+        self.storage.start_replica_reduce(reduce)
 
     def finish_reduce_grad(self, reduce: PendingReduce) -> None:
         """Wait for a reduction and accumulate its result into ``flat_param.grad``.
@@ -620,48 +487,20 @@ class FlatParamUnit:
         ``keep_low_precision_grads``), copied to the CPU under offload, and
         added to any gradient already there (gradient accumulation).
         """
-        if reduce.event is not None:  # [Note: stream ordering] (gradient reduction, step 4)
-            self.streams.wait_event(Stream.COMPUTE, reduce.event)
-            self.streams.record_stream(reduce.output, Stream.COMPUTE)
-            # Under offload the CPU reads the host copy: it waits on the event first.
-            host_event = reduce.event if self.config.offload_params else None
-            self._accumulate_grad(reduce.output, host_event)
-            return
-        self.start_replica_reduce(reduce)
-        reduce.collective.wait()
-        self._release_padded_grad(reduce.padded)
-        reduce.padded = None
-        out = self._final_grad(reduce.output, reduce.postdivide)
-        # A pinned copy on this path: a communication hook's reduction on CUDA.
-        event = self.streams.record_event(Stream.COMPUTE) if self._pinned else None
+        out, event = self.storage.finish(reduce)
         self._accumulate_grad(out, event)
-
-    def _final_grad(self, out: Tensor, postdivide: float) -> Tensor:
-        """The reduced gradient as ``flat_param.grad`` holds it: divided, in the
-        parameter dtype (unless ``keep_low_precision_grads``), on the host under
-        offload (pinned and not yet waited for on CUDA)."""
-        _div_(out, postdivide)
-        if out.dtype != self.orig_dtype and not self.config.keep_low_precision_grads:
-            out = out.to(self.orig_dtype)
-        if self.config.offload_params:
-            host = torch.empty(
-                out.shape, dtype=out.dtype, device=self.flat_param.device, pin_memory=self._pinned
-            )
-            host.copy_(out, non_blocking=self._pinned)
-            out = host
-        return out
 
     def _accumulate_grad(self, out: Tensor, event: Any) -> None:
         """``out`` into ``flat_param.grad``; ``event``: a non-blocking copy into ``out``
         (host memory) still to complete, see [Note: stream ordering]."""
         flat = self.flat_param
-        if flat.grad is not None or self._host_grad_event is not None:
-            self.wait_for_host_grad()  # the CPU is about to read .grad
+        storage = self.storage
+        storage.wait_for_host_grad()  # the CPU is about to read (or replace) .grad
         if event is not None and flat.grad is not None:
-            self.streams.synchronize(event)  # ... and out
+            storage.synchronize(event)  # ... and out
             event = None
         if flat.grad is None:
-            self._host_grad_event = event  # waited for before anyone reads .grad
+            storage.defer_host_event(event)  # waited for before anyone reads .grad
             if out.dtype == flat.dtype:
                 flat.grad = out
             else:  # keep_low_precision_grads: .grad's dtype may differ only via .data
@@ -674,22 +513,14 @@ class FlatParamUnit:
         """Block the CPU until a non-blocking copy into the host ``.grad`` has landed.
 
         Called before the CPU reads an offloaded gradient: by the root at the
-        end of backward (``RootContext.finish_reductions``), and before
-        accumulating into it. A no-op without ``CPUOffload`` on CUDA.
+        end of backward (``RootContext.finish_reductions``). A no-op without
+        ``CPUOffload`` on CUDA.
         """
-        if self._host_grad_event is not None:
-            self.streams.synchronize(self._host_grad_event)
-            self._host_grad_event = None
+        self.storage.wait_for_host_grad()
 
     def wait_for_host_copies(self) -> None:
-        """At the end of backward under ``CPUOffload`` on CUDA: the CPU waits for the
-        compute stream, which by then has waited on every gather (whose host-to-device
-        copies read the pinned shard) and every reduction (whose copies wrote the host
-        gradient) of this backward, before the optimizer writes the shard and reads
-        ``.grad`` on the CPU; see [Note: stream ordering], step 5."""
-        self.wait_for_host_grad()
-        if self.config.offload_params and self.streams.enabled:
-            self.streams.synchronize(self.streams.record_event(Stream.COMPUTE))
+        """End of backward under ``CPUOffload`` on CUDA; see ``ShardedStorage``."""
+        self.storage.wait_for_host_copies()
 
     # --- full parameters outside forward/backward (summon_full_params) ---------------------
 
@@ -805,21 +636,3 @@ class FlatParamUnit:
             self.use_unsharded_views()
         else:
             self._use_placeholders()
-
-
-def _div_(t: Tensor, factor: float) -> None:
-    if factor != 1.0:
-        t.div_(factor)
-
-
-def _free_storage(t: Tensor) -> None:
-    storage = t.untyped_storage()
-    if storage.nbytes() != 0:
-        storage.resize_(0)
-
-
-def _alloc_storage(t: Tensor, numel: int) -> None:
-    storage = t.untyped_storage()
-    nbytes = numel * t.element_size()
-    if storage.nbytes() != nbytes:
-        storage.resize_(nbytes)

@@ -22,7 +22,7 @@ from typing import Any, TypeVar, cast
 import torch.distributed as dist
 
 from flatparam import CollectiveError, named_backend_failures
-from fsdp._common import clean_fqn
+from fsdp._runtime._common import clean_fqn
 
 __all__ = ["backend_failures", "in_phase"]
 
@@ -41,7 +41,7 @@ def backend_failures(operation: str, target: str) -> AbstractContextManager[None
 def in_phase(phase: str) -> Callable[[_F], _F]:
     """Name ``phase`` and the hook's unit in a :class:`CollectiveError` raised by the hook.
 
-    For methods of :class:`~fsdp._fsdp_state.FSDPState`; an error already
+    For methods of :class:`~fsdp._wrapper._fsdp_state.FSDPState`; an error already
     named by an inner hook keeps its phase.
     """
 

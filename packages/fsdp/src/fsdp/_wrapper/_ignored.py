@@ -24,7 +24,7 @@ from typing import Any
 
 from torch import nn
 
-from fsdp._deferred_init import IGNORED
+from fsdp._wrapper._deferred_init import IGNORED
 
 __all__ = ["IgnoredStates", "resolve_ignored"]
 

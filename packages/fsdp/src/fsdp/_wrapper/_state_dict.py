@@ -36,9 +36,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp._common import FLAT_PARAM, FROZEN_FLAT_PARAM, FSDP_PREFIX, TrainingState, clean_fqn
-from fsdp._fsdp_state import FSDPState, get_fsdp_state
-from fsdp._summon import summon_unit
+from fsdp._runtime._common import (
+    FLAT_PARAM,
+    FROZEN_FLAT_PARAM,
+    FSDP_PREFIX,
+    TrainingState,
+    clean_fqn,
+)
+from fsdp._wrapper._fsdp_state import FSDPState, get_fsdp_state
+from fsdp._wrapper._summon import summon_unit
 from fsdp.api import StateDictType
 from fsdp.units import buffer_orig_dtypes
 
