@@ -11,6 +11,13 @@ the package README for the design.
 import torch.distributed
 
 from flatparam import CollectiveError, RankDisagreementError, register_clean_exit
+from fsdp._fully_shard._api import (
+    FSDPModule,
+    UnshardHandle,
+    fully_shard,
+    register_fsdp_forward_method,
+)
+from fsdp._fully_shard._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from fsdp._runtime._common import TrainingState, TrainingStateError
 from fsdp._version import __version__
 from fsdp._wrapper._memory import MemoryEstimate, UnitSize, estimate_memory
@@ -40,7 +47,9 @@ from fsdp.units import FlatUnit, UnitParam, UnitSharding, flat_units
 __all__ = [
     "BackwardPrefetch",
     "CPUOffload",
+    "CPUOffloadPolicy",
     "CollectiveError",
+    "FSDPModule",
     "FlatUnit",
     "FullOptimStateDictConfig",
     "FullStateDictConfig",
@@ -50,6 +59,8 @@ __all__ = [
     "LocalStateDictConfig",
     "MemoryEstimate",
     "MixedPrecision",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
     "OptimStateDictConfig",
     "OptimStateKeyType",
     "RankDisagreementError",
@@ -65,11 +76,14 @@ __all__ = [
     "UnitParam",
     "UnitSharding",
     "UnitSize",
+    "UnshardHandle",
     "__version__",
     "estimate_memory",
     "flat_units",
+    "fully_shard",
     "is_flat_parameter",
     "local_shards",
+    "register_fsdp_forward_method",
     "to_fsdp_policy",
     "to_fsdp_type",
     "unwrapped_name",

@@ -1,0 +1,564 @@
+"""``fully_shard``, ``FSDPModule``, ``UnshardHandle`` and ``register_fsdp_forward_method``.
+
+torch 2.13's FSDP2 contract on our runtime: ``fully_shard(module)`` shards the
+parameters of ``module`` (those not already managed by a nested call) as
+``DTensor`` s and makes ``module`` an instance of a class derived from both
+:class:`FSDPModule` and its own class, so ``isinstance`` holds for both and the
+``FSDPModule`` methods are available on it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable
+from typing import Any, NoReturn, cast
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+from fsdp._fully_shard._mesh import (
+    default_mesh,
+    mesh_device,
+    mesh_info,
+    post_forward_info,
+)
+from fsdp._fully_shard._param import ParamSite, ShardedParam
+from fsdp._fully_shard._param_group import GroupState, ParamGroup
+from fsdp._fully_shard._policies import (
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    to_mp_policy,
+    to_offload_policy,
+)
+from fsdp._fully_shard._state import FullyShardState, state_of
+
+__all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method"]
+
+_FSDP_CLASSES: dict[type, type] = {}  # original class -> FSDP<original class>
+
+
+def fully_shard(
+    module: nn.Module,
+    *,
+    mesh: Any = None,
+    reshard_after_forward: bool | int | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 (frozen, as torch's)
+    offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008
+    ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims: Any = None,
+) -> FSDPModule:
+    """Shard ``module``'s parameters across the data-parallel ranks of ``mesh``.
+
+    The parameters of ``module`` not already managed by a ``fully_shard`` call
+    on a submodule (so apply it bottom-up: each block, then the root) become
+    ``DTensor`` s sharded on dim 0 (or the ``Shard(dim)`` that
+    ``shard_placement_fn`` returns for a parameter), each rank holding its
+    ``torch.chunk`` piece; they form one group, gathered in one all-gather
+    before the module's forward and freed after it, gathered again for its
+    backward, with the gradients reduce-scattered in one collective per group.
+
+    Args:
+        module: the module to shard; its class becomes a subclass of
+            :class:`FSDPModule` and its own class. A list of modules is not
+            supported (see the package README).
+        mesh: the data-parallel ``DeviceMesh``: 1-D shards over all its ranks,
+            2-D ``(replicate, shard)`` (``mesh_dim_names`` required) shards inside
+            each row and replicates across rows (HSDP). Default: a 1-D mesh over
+            the default process group (initialised if need be).
+        reshard_after_forward: ``True`` frees the gathered parameters after
+            forward and gathers them again in backward; ``False`` keeps them to
+            the backward; an int ``n`` (a divisor of the shard group's size)
+            keeps a shard over ``n`` ranks between forward and backward, so
+            backward gathers over fewer ranks; ``None``: ``True``, except
+            ``False`` for the root (whose backward comes right after its forward).
+        shard_placement_fn: returns the ``Shard(dim)`` to cut a parameter along
+            (``None``: dim 0); a dim other than 0 must divide evenly.
+        mp_policy: parameter, reduction and output dtypes
+            (:class:`MixedPrecisionPolicy`).
+        offload_policy: :class:`CPUOffloadPolicy` keeps sharded parameters,
+            gradients and optimizer state on the host.
+        ignored_params: parameters left alone: not sharded, not moved, their
+            gradients not reduced.
+        dp_mesh_dims: not supported (a ``DataParallelMeshDims`` for parameters
+            that are already ``DTensor`` s on a larger SPMD mesh).
+
+    Returns:
+        ``module`` itself, now an :class:`FSDPModule`.
+    """
+    if isinstance(module, (list, tuple)):
+        raise NotImplementedError(
+            "fully_shard([module_a, module_b, ...]) (several modules as one group) is not "
+            "supported by this implementation; apply fully_shard to a module that contains them "
+            "(e.g. a common parent) instead"
+        )
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"fully_shard needs an nn.Module, got {type(module).__name__}")
+    if (
+        isinstance(module, (nn.ModuleList, nn.ModuleDict))
+        and type(module).forward is nn.Module.forward
+    ):
+        raise ValueError(
+            f"fully_shard does not support containers that do not implement forward: {module}"
+        )
+    if dp_mesh_dims is not None:
+        raise NotImplementedError(
+            "fully_shard(dp_mesh_dims=...) (parameters already DTensors on an SPMD mesh) is not "
+            "supported by this implementation; pass the data-parallel mesh and plain parameters"
+        )
+    if state_of(module) is not None:
+        raise ValueError(
+            f"fully_shard was already applied to this {type(module).__name__}: apply it once per "
+            "module (inner modules first, then the outer ones)"
+        )
+    if module.__dict__.get("_fsdp_state") is not None or hasattr(module, "_fsdp_wrapped_module"):
+        raise ValueError(
+            "fully_shard cannot be applied to a FullyShardedDataParallel instance: use one of "
+            "the two APIs for a model (FSDP1's wrapper or FSDP2's fully_shard)"
+        )
+    mp = to_mp_policy(mp_policy)
+    offload = to_offload_policy(offload_policy)
+    if mesh is None:
+        mesh = default_mesh()
+    info = mesh_info(mesh)
+    device = mesh_device(mesh)
+    auto = reshard_after_forward is None
+    post_forward = post_forward_info(True if auto else reshard_after_forward, info)  # type: ignore[arg-type]
+    ignored = set(ignored_params or ())
+    managed = _managed_modules(module, ignored)
+    params = _managed_params(managed, ignored)
+    _move_to_device(managed, params, ignored, device)
+    group = None
+    if params:
+        sites = _sites(module, params)
+        sharded = [
+            ShardedParam(site, p.shape, _placement(shard_placement_fn, p))
+            for site, p in zip(sites, params, strict=True)
+        ]
+        group = ParamGroup(
+            (module,),
+            sharded,
+            params,
+            mesh=info,
+            post_forward=post_forward,
+            device=device,
+            mp=mp,
+            offload=offload,
+        )
+    FullyShardState(module, group, mesh=info, device=device, mp=mp, auto_reshard_after_forward=auto)
+    for m in managed:
+        m.__dict__["_is_fsdp_managed_module"] = True  # as torch's, for Dynamo's checks
+        m.__dict__["_fsdp_use_orig_params"] = True
+    module.__class__ = _fsdp_class(type(module))
+    return cast(FSDPModule, module)
+
+
+def _managed_modules(root: nn.Module, ignored: set[nn.Parameter]) -> list[nn.Module]:
+    """``root`` and its submodules not inside a nested ``fully_shard`` module (post-order),
+    without those that hold only ignored parameters and no buffers."""
+    out: list[nn.Module] = []
+    seen: set[int] = set()
+
+    def visit(m: nn.Module) -> None:
+        seen.add(id(m))
+        for child in m.children():
+            if id(child) in seen or state_of(child) is not None:
+                continue
+            visit(child)
+        out.append(m)
+
+    visit(root)
+    if not ignored:
+        return out
+    keep = []
+    for m in out:
+        params = [p for p in m.parameters(recurse=True) if p not in ignored]
+        buffers = list(m.buffers(recurse=True))
+        if m is root or params or buffers:
+            keep.append(m)
+    return keep
+
+
+def _managed_params(modules: Iterable[nn.Module], ignored: set[nn.Parameter]) -> list[nn.Parameter]:
+    params: list[nn.Parameter] = []
+    seen: set[int] = set()
+    for m in modules:
+        for name, p in m.named_parameters(recurse=False):
+            if p in ignored or id(p) in seen:
+                continue
+            seen.add(id(p))
+            if p.dim() == 0:
+                raise ValueError(
+                    "fully_shard doesn't support scalar parameters. "
+                    f"Change {name} to a 1D tensor with numel equal to 1."
+                )
+            if isinstance(p, DTensor):
+                raise NotImplementedError(
+                    f"parameter {name!r} is already a DTensor (tensor or expert parallelism): "
+                    "composing fully_shard with other DTensor parallelism is not supported by "
+                    "this implementation; apply fully_shard to plain parameters"
+                )
+            if not p.is_contiguous():
+                raise NotImplementedError(
+                    f"FSDP does not support non-contiguous parameters yet: {name} "
+                    f"{p.shape=} {p.stride()=}; make it contiguous (param.data = "
+                    "param.data.contiguous()) before fully_shard"
+                )
+            if getattr(p, "_fsdp_flattened", False):
+                raise ValueError(
+                    f"parameter {name!r} is already managed by a FullyShardedDataParallel unit: "
+                    "use one of the two APIs for a model"
+                )
+            params.append(p)
+    return params
+
+
+def _move_to_device(
+    modules: Iterable[nn.Module],
+    params: list[nn.Parameter],
+    ignored: set[nn.Parameter],
+    device: torch.device,
+) -> None:
+    """Parameters and buffers to the mesh's device (meta ones stay, for deferred init)."""
+    with torch.no_grad():
+        for p in params:
+            if p.device != device and not p.is_meta:
+                p.data = p.data.to(device)
+        for m in modules:
+            for name, b in m._buffers.items():
+                if b is not None and b.device != device and not b.is_meta:
+                    m._buffers[name] = b.to(device)
+
+
+def _sites(root: nn.Module, params: list[nn.Parameter]) -> list[ParamSite]:
+    """Where each parameter is registered, tied names included (shared modules too)."""
+    wanted = {id(p) for p in params}
+    sites: dict[int, ParamSite] = {}
+    for _, sub in root.named_modules(remove_duplicate=False):
+        for name, p in sub._parameters.items():
+            if p is None or id(p) not in wanted:
+                continue
+            site = sites.get(id(p))
+            if site is None:
+                sites[id(p)] = ParamSite(sub, name)
+            elif not (site.module is sub and site.name == name) and (sub, name) not in [
+                (m, n) for m, n in site.shared
+            ]:
+                site.shared.append((sub, name))
+    return [sites[id(p)] for p in params]
+
+
+def _placement(fn: Callable[[nn.Parameter], Any] | None, param: nn.Parameter) -> Shard:
+    if fn is None:
+        return Shard(0)
+    placement = fn(param)
+    if placement is None:
+        return Shard(0)
+    if not isinstance(placement, Shard) or type(placement) is not Shard:
+        raise NotImplementedError(
+            f"shard_placement_fn returned {placement!r}: only a Shard(dim) (or None for dim 0) "
+            "is supported by this implementation (not a per-parameter mesh)"
+        )
+    dim = placement.dim + param.dim() if placement.dim < 0 else placement.dim
+    return Shard(dim)
+
+
+def _fsdp_class(cls: type) -> type:
+    """``FSDP<cls>``: derived from :class:`FSDPModule` and ``cls``, made once per class."""
+    made = _FSDP_CLASSES.get(cls)
+    if made is None:
+        made = type(
+            f"FSDP{cls.__name__}",
+            (FSDPModule, cls),
+            {"__deepcopy__": _no_deepcopy, "forward": _guarded_forward(cls.forward)},  # type: ignore[attr-defined]
+        )
+        _FSDP_CLASSES[cls] = made
+    return made
+
+
+def _no_deepcopy(*args: Any, **kwargs: Any) -> NoReturn:
+    raise AssertionError(
+        "FSDP does not support deepcopy. Please use state dict for serialization: copy "
+        "model.state_dict() (DTensor shards) or build a new model and fully_shard it."
+    )
+
+
+def _guarded_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """``forward`` that refuses to run on sharded parameters (called directly, not
+    through ``module(...)``, whose hooks gather them). Keeps ``forward``'s signature for
+    tools that read it (``inspect.signature``)."""
+
+    @functools.wraps(forward)
+    def guarded(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        state = state_of(self)
+        group = state.group if state is not None else None
+        if group is not None and group.state is not GroupState.UNSHARDED:
+            raise RuntimeError(
+                f"{type(self).__name__}.forward() was called directly on a fully_shard module "
+                "whose parameters are sharded (DTensor shards, not the full tensors), so it "
+                "cannot compute. Call the module itself (module(*args)), which gathers the "
+                "parameters through its hooks, or register the method with "
+                f"fsdp.register_fsdp_forward_method(module, 'forward') (for another method "
+                "called instead of forward, register that one)."
+            )
+        return forward(self, *args, **kwargs)
+
+    return guarded
+
+
+class FSDPModule:
+    """Mixin of every ``fully_shard`` module: the methods users call on it.
+
+    ``fully_shard(module)`` changes ``module``'s class to ``FSDP<Class>``, derived
+    from this class and ``Class``. None of these methods is recursive unless its
+    ``recurse`` argument says so.
+    """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # Build the original class: e.g. nn.Sequential slicing builds a new
+        # container of its own type, which must not be an FSDP module.
+        orig: Any = cls.__mro__[2]
+        self = orig.__new__(orig)
+        self.__init__(*args, **kwargs)
+        return self
+
+    def _fully_shard_state(self) -> FullyShardState:
+        state = state_of(cast(nn.Module, self))
+        if state is None:
+            raise AssertionError(f"No FSDP state found on {type(self).__name__}")
+        return state
+
+    def _fsdp_modules(self, recurse: bool) -> list[FSDPModule]:
+        root = cast(nn.Module, self)
+        modules = list(root.modules()) if recurse else [root]
+        return [m for m in modules if isinstance(m, FSDPModule)]
+
+    def _groups(self, recurse: bool) -> list[ParamGroup]:
+        return [g for m in self._fsdp_modules(recurse) if (g := m._fully_shard_state().group)]
+
+    def reshard(self) -> None:
+        """Free the unsharded parameters (if gathered) and register the sharded ones."""
+        group = self._fully_shard_state().group
+        if group is not None:
+            group.reshard()
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """Gather the parameters (in ``param_dtype``), registering the unsharded ones.
+
+        With ``async_op=True`` returns a :class:`UnshardHandle` whose ``wait()``
+        completes it (the module's pre-forward also does); else waits and
+        returns ``None``.
+        """
+        group = self._fully_shard_state().group
+        if group is not None:
+            group.sync()
+            group.unshard()
+        handle = _UnshardHandle(group)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Whether the next backward is the last before the optimizer step: only the last
+        waits for the gradient reductions (set False for all but the last micro-batch)."""
+        state = self._fully_shard_state()
+        state.lazy_init()
+        state._iteration().is_last_backward = is_last_backward
+
+    def set_requires_gradient_sync(
+        self, requires_gradient_sync: bool, *, recurse: bool = True
+    ) -> None:
+        """Whether backward reduces gradients (both collectives under HSDP). ``False``:
+        gradients accumulate on the unsharded parameters instead (FSDP1's ``no_sync``)."""
+        for group in self._groups(recurse):
+            group.reduce_grads = requires_gradient_sync
+            group.all_reduce_grads = requires_gradient_sync
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: whether to all-reduce across replicas (``False``: reduce-scatter only, the
+        partial sums accumulate until a backward with the all-reduce)."""
+        for group in self._groups(recurse):
+            group.all_reduce_grads = requires_all_reduce
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """Change ``reshard_after_forward`` (a bool) at run time, e.g. ``True`` for the root."""
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(
+                f"reshard_after_forward should be a bool, got {type(reshard_after_forward)}"
+            )
+        for m in self._fsdp_modules(recurse):
+            state = m._fully_shard_state()
+            state.auto_reshard_after_forward = False
+            if state.group is not None:
+                state.group.set_post_forward(post_forward_info(reshard_after_forward, state.mesh))
+
+    def set_reshard_after_backward(
+        self, reshard_after_backward: bool, *, recurse: bool = True
+    ) -> None:
+        """Whether to free the gathered parameters after backward (``False`` saves the
+        next forward's all-gather during gradient accumulation, at the cost of memory)."""
+        for group in self._groups(recurse):
+            group.reshard_after_backward = reshard_after_backward
+
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """Gather these modules' parameters right after this module's (in forward),
+        instead of the default issue-ahead of the next module."""
+        _check_fsdp_modules(modules)
+        self._fully_shard_state().forward_prefetch = [m._fully_shard_state() for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """Gather these modules' parameters when this module's backward starts, instead of
+        the default (the module whose backward comes next)."""
+        _check_fsdp_modules(modules)
+        self._fully_shard_state().backward_prefetch = [m._fully_shard_state() for m in modules]
+
+    def set_post_optim_event(self, event: Any) -> None:
+        """Accepted for torch's API: our gathers already wait for the compute stream, so an
+        event recorded after the optimizer step adds no ordering (see the README)."""
+        state = self._fully_shard_state()
+        state.lazy_init()
+        state._iteration().post_optim_event = event
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide the summed gradients by ``factor`` instead of the data-parallel size."""
+        for group in self._groups(recurse=False):
+            group.gradient_divide_factor = float(factor)
+            group.update_reduction()
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """Deprecated name of :meth:`set_gradient_divide_factor`."""
+        self.set_gradient_divide_factor(factor)
+
+    def set_all_reduce_hook(
+        self, hook: Callable[[torch.Tensor], None], *, stream: Any = None
+    ) -> None:
+        """Call ``hook(reduced)`` on each reduced gradient shard (after the reduce-scatter,
+        or after the all-reduce across replicas under HSDP), in place, before the cast back."""
+        for group in self._groups(recurse=False):
+            if stream is not None and group.mesh.replicate_size > 1:
+                raise ValueError("stream cannot be set when using native HSDP")
+            group.all_reduce_hook = hook
+            group.update_reduction()
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """Whether backward needs the parameters gathered (``False`` for a module whose
+        backward does not read its parameters, e.g. an embedding)."""
+        for group in self._groups(recurse=False):
+            group.unshard_in_backward = unshard_in_backward
+
+    def set_reduce_scatter_unused_params(
+        self, reduce_scatter_unused_params: bool, *, recurse: bool = True
+    ) -> None:
+        """Give parameters that got no gradient in a backward a zero gradient too (our
+        reductions always have every rank's full layout, so ranks never mismatch)."""
+        for group in self._groups(recurse):
+            group.reduce_scatter_unused_params = reduce_scatter_unused_params
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Accepted for torch's API: our collectives always sum and divide separately."""
+
+    def set_reduce_scatter_max_input_buffers(
+        self, max_input_buffers: int, *, recurse: bool = True
+    ) -> None:
+        """How many gradient reductions may be in flight at once (default 1)."""
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(
+                f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}"
+            )
+        if max_input_buffers < 1:
+            raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
+        state = self._fully_shard_state()
+        state.lazy_init()
+        state._context().max_reductions_in_flight = max_input_buffers
+
+    def reset_iter_state(self) -> None:
+        """After ``forward()`` or ``backward()`` raised: reshard everything and drop the
+        failed iteration's gradient reductions, so the next iteration starts clean. Call it
+        on the root module."""
+        self._fully_shard_state().reset_iteration()
+
+    def _unsupported(self, name: str) -> NoReturn:
+        raise NotImplementedError(
+            f"FSDPModule.{name} is not supported by this implementation (see the fsdp README, "
+            "'fully_shard: what is left out'); the default collectives and memory are used"
+        )
+
+    def set_custom_all_gather(self, comm: Any) -> None:
+        """Not supported: custom all-gather implementations."""
+        self._unsupported("set_custom_all_gather")
+
+    def set_custom_reduce_scatter(self, comm: Any) -> None:
+        """Not supported: custom reduce-scatter implementations."""
+        self._unsupported("set_custom_reduce_scatter")
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """Not supported: collective buffers from the process group's allocator."""
+        self._unsupported("set_allocate_memory_from_process_group_for_comm")
+
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+        """Not supported: symmetric-memory collective buffers."""
+        self._unsupported("set_symm_mem_for_comm")
+
+    def set_separate_reduce_scatter_group(
+        self, enable: bool = True, *, recurse: bool = True
+    ) -> None:
+        """Not supported: a second process group for the reduce-scatters."""
+        self._unsupported("set_separate_reduce_scatter_group")
+
+    def _apply(self, *args: Any, **kwargs: Any) -> Any:
+        # Module moves (to, to_empty, float, ...) act on the registered parameters: the
+        # sharded ones, which afterwards go back into the group's region.
+        self.reshard()
+        out = super()._apply(*args, **kwargs)  # type: ignore[misc]
+        group = self._fully_shard_state().group
+        if group is not None:
+            group.sync()
+        return out
+
+
+class UnshardHandle:
+    """Wait on an :meth:`FSDPModule.unshard` issued with ``async_op=True``."""
+
+    def wait(self) -> None:
+        """Complete the gather: the unsharded parameters are registered and usable."""
+
+
+class _UnshardHandle(UnshardHandle):
+    def __init__(self, group: ParamGroup | None) -> None:
+        self._group = group
+
+    def wait(self) -> None:
+        if self._group is not None:
+            self._group.wait_for_unshard()
+            self._group = None
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Make ``module.<method_name>`` run ``fully_shard``'s forward hooks around it.
+
+    For a method called instead of ``forward`` (``generate``, an encoder's
+    ``encode``): it gathers the parameters before and reshards after, as a
+    call of the module does. A no-op for a module that is not an ``FSDPModule``.
+    """
+    if not isinstance(module, FSDPModule):
+        return
+    if not hasattr(module, method_name):
+        raise ValueError(f"{type(module)} does not have a method {method_name}")
+    method = getattr(module, method_name)
+    state = module._fully_shard_state()
+
+    @functools.wraps(method)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = state._pre_forward(cast(nn.Module, module), args, kwargs)
+        out = method(*args, **kwargs)
+        return state._post_forward(cast(nn.Module, module), args, out)
+
+    setattr(module, method_name, wrapped)
+
+
+def _check_fsdp_modules(modules: Iterable[Any]) -> None:
+    for m in modules:
+        if not isinstance(m, FSDPModule):
+            raise ValueError(f"Expects FSDPModule but got {type(m)}: {m}")

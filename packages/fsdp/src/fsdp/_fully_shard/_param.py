@@ -1,0 +1,142 @@
+"""The life of one parameter under ``fully_shard``: its ``DTensor`` shard and its unsharded leaf.
+
+[Note: fully_shard parameter forms]
+A parameter ``p`` of a group keeps two ``nn.Parameter`` objects for its whole life:
+
+- ``sharded``: an ``nn.Parameter`` wrapping a ``DTensor`` with placement
+  ``Shard(dim)`` (``(Replicate(), Shard(dim))`` under HSDP) whose local tensor
+  is a view into its part's *region*, this rank's packed shard of the group
+  ([Note: chunk layout] in flatparam). It is what ``parameters()``,
+  ``state_dict()`` and the optimizer see between uses; an in-place optimizer
+  step writes the region, which the next all-gather sends as it is. Its
+  ``.grad`` is a ``DTensor`` of the same placement, a view into the reduced
+  gradient shard.
+- ``unsharded``: a plain ``nn.Parameter`` of the full shape, in the compute
+  dtype, the autograd leaf forward and backward use while the group is
+  gathered. Its data is the prefix of ``buf``, a 1-D buffer with the padding
+  rows of every chunk ([Note: chunk layout]), filled by the copy-out after each
+  all-gather; ``buf``'s storage is freed between uses and reallocated, so the
+  same leaf (and the views autograd saved of it) serve every forward and
+  backward ([Note: storage resizing and autograd] in ``_wrapper/_flat_param_unit.py``).
+  It gets its data by ``.data`` assignment, so its version counter is its own
+  and the copy-out (a write into ``buf``) does not look like an in-place
+  change of a tensor saved for backward.
+
+The module's attribute (and every other module's that shares the parameter)
+holds ``sharded`` or ``unsharded`` by the group's state, swapped in the
+modules' ``_parameters`` directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Placement, Shard
+
+__all__ = ["ParamSite", "ShardedParam", "local_tensor", "set_local_tensor"]
+
+
+@dataclass
+class ParamSite:
+    """Where a parameter is registered: a module and a name, and its other (tied) names."""
+
+    module: nn.Module
+    name: str  # unprefixed, e.g. "weight"
+    shared: list[tuple[nn.Module, str]] = field(default_factory=list)
+
+    def set(self, param: nn.Parameter) -> None:
+        """Register ``param`` at every site (without ``nn.Module.__setattr__``'s checks)."""
+        for module, name in [(self.module, self.name), *self.shared]:
+            if type(module).__setattr__ is nn.Module.__setattr__:
+                module._parameters[name] = param
+            else:  # a module with its own __setattr__ sees the swap
+                setattr(module, name, param)
+
+    def get(self) -> nn.Parameter | None:
+        """What the first site holds now."""
+        return self.module._parameters.get(self.name)
+
+
+class ShardedParam:
+    """One parameter's sharded ``DTensor`` and unsharded leaf; see [Note: fully_shard parameter
+    forms]. The part that holds it owns the region and the gathered buffers."""
+
+    site: ParamSite
+    fqn: str  # name under the root module, for messages (set at lazy initialisation)
+    shape: torch.Size  # full shape
+    placement: Shard  # the dim it is cut along
+    sharded: nn.Parameter  # DTensor; local tensor a view into the part's region
+    unsharded: nn.Parameter | None  # full-shaped leaf; created at the first gather
+    buf: Tensor | None  # 1-D padded storage of ``unsharded`` (compute dtype); freed between uses
+    accumulated_grad: Tensor | None  # reduce-dtype gradient kept across unsynced backwards
+
+    def __init__(self, site: ParamSite, shape: torch.Size, placement: Shard) -> None:
+        self.site = site
+        self.fqn = site.name
+        self.shape = shape
+        self.placement = placement
+        self.unsharded = None
+        self.buf = None
+        self.accumulated_grad = None
+
+    def make_sharded(
+        self,
+        local: Tensor,
+        mesh: object,
+        placements: tuple[Placement, ...],
+        requires_grad: bool,
+    ) -> None:
+        """Wrap ``local`` (a view into the region) as the sharded ``DTensor`` parameter."""
+        dtensor = self.to_dtensor(local, mesh, placements)
+        self.sharded = nn.Parameter(dtensor, requires_grad=requires_grad)
+
+    def to_dtensor(self, local: Tensor, mesh: object, placements: tuple[Placement, ...]) -> DTensor:
+        """A ``DTensor`` of this parameter's shape whose local tensor shares ``local``'s memory."""
+        with torch.no_grad():
+            return DTensor.from_local(
+                local,
+                mesh,  # type: ignore[arg-type]
+                placements,
+                run_check=False,
+                shape=self.shape,
+                stride=_contiguous_stride(self.shape),
+            )
+
+    def unsharded_leaf(self, buf: Tensor, full: Tensor) -> nn.Parameter:
+        """The unsharded leaf with data ``full`` (a view of ``buf``); created once."""
+        leaf = self.unsharded
+        if leaf is None or leaf.dtype != full.dtype or leaf.device != full.device:
+            leaf = nn.Parameter(torch.empty(0, dtype=full.dtype, device=full.device))
+            self.unsharded = leaf
+        leaf.data = full  # its own version counter: see the note
+        self.buf = buf
+        return leaf
+
+
+def local_tensor(p: Tensor) -> Tensor:
+    """``p``'s local tensor (the tensor itself, not an autograd view)."""
+    with torch.no_grad():
+        return p.to_local() if isinstance(p, DTensor) else p
+
+
+def set_local_tensor(p: DTensor, local: Tensor) -> None:
+    """Point ``p``'s local tensor at ``local`` (same shape), keeping the object.
+
+    The optimizer and the user hold the parameter object, so after a module
+    move (``to_empty``, ``to``) or ``load_state_dict(assign=True)`` left its
+    local tensor outside the region, the region's view is put back into the
+    same object. ``DTensor`` has no public setter for this; the attribute is
+    the one its own constructor sets.
+    """
+    p._local_tensor = local
+
+
+def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    stride: list[int] = []
+    running = 1
+    for size in reversed(shape):
+        stride.append(running)
+        running *= max(size, 1)
+    return tuple(reversed(stride))

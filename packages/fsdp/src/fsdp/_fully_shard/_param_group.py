@@ -1,0 +1,585 @@
+"""One ``fully_shard`` call's parameters: gathered together, reduced together.
+
+A :class:`ParamGroup` holds the parameters of the modules one ``fully_shard``
+call manages, split into :class:`GroupPart` s by dtype and ``requires_grad``:
+each part is one :class:`~flatparam.ChunkLayout` and one
+:class:`~fsdp._runtime._sharded_storage.ShardedStorage`, so each part is one
+all-gather and (if trainable) one reduce-scatter. Usually there is one part;
+frozen parameters get a part of their own so they cost no gradient bytes and
+take no part in the reduction, and parameters of another dtype (a bf16 buffer
+promoted to a parameter, an int8 table) one each, where torch's FSDP2 packs
+them into one all-gather of bytes.
+
+[Note: group states]
+The group's parameters are in one :class:`GroupState` at a time, and the group
+moves them between states with :meth:`ParamGroup.unshard`,
+:meth:`ParamGroup.wait_for_unshard` and :meth:`ParamGroup.reshard`; the hooks
+in ``_state.py`` decide when. A gather issued ahead of the module's forward
+(or by ``FSDPModule.unshard(async_op=True)``) leaves the group UNSHARDING
+until its pre-forward waits for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from enum import Enum, auto
+from typing import Any, cast
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+from flatparam import ChunkLayout
+from fsdp._fully_shard._mesh import MeshInfo
+from fsdp._fully_shard._param import ShardedParam, local_tensor, set_local_tensor
+from fsdp._fully_shard._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from fsdp._runtime._collectives import gradient_divide_factors
+from fsdp._runtime._device import pins_host_memory
+from fsdp._runtime._sharded_storage import (
+    PendingReduce,
+    ShardedStorage,
+    alloc_storage,
+    free_storage,
+)
+
+__all__ = ["GroupPart", "GroupState", "ParamGroup"]
+
+
+class GroupState(Enum):
+    """Which form a group's parameters are in; see [Note: group states]."""
+
+    SHARDED = auto()
+    """The modules hold the sharded ``DTensor`` parameters; nothing gathered exists."""
+    UNSHARDING = auto()
+    """An all-gather is issued and not yet waited for; the modules still hold the
+    sharded parameters."""
+    UNSHARDED = auto()
+    """The modules hold the unsharded leaves, filled from the gathered data."""
+    SHARDED_POST_FORWARD = auto()
+    """``reshard_after_forward=n``: the modules hold the sharded parameters and each
+    part keeps a copy of its chunk over ``n`` ranks, gathered from there in backward."""
+
+
+class GroupPart:
+    """Parameters of one dtype and one ``requires_grad`` within a group: one layout,
+    one storage (see the module docstring)."""
+
+    group: ParamGroup
+    params: list[ShardedParam]
+    trainable: bool
+    orig_dtype: torch.dtype
+    compute_dtype: torch.dtype  # of the gathered and unsharded parameters
+    reduce_dtype: torch.dtype  # of the gradient reduction
+    layout: ChunkLayout  # over the shard group
+    storage: ShardedStorage  # shard = this rank's region
+    # reshard_after_forward=n: the layout over n ranks and its storage, whose shard is a copy
+    # of this rank's chunk over those n ranks between forward and backward.
+    post_layout: ChunkLayout | None
+    post_storage: ShardedStorage | None
+    # Reduce-scattered gradients not yet all-reduced across replicas (set_requires_all_reduce).
+    partial: Tensor | None
+
+    def __init__(self, group: ParamGroup, params: list[ShardedParam], trainable: bool) -> None:
+        self.group = group
+        self.params = params
+        self.trainable = trainable
+        self.partial = None
+        self.post_layout = None
+        self.post_storage = None
+
+    # --- construction and re-synchronisation ------------------------------------------------
+
+    def build(self, tensors: Sequence[Tensor], requires_grad: Sequence[bool]) -> None:
+        """Shard ``tensors`` (the original parameters' data) into a new region and wrap
+        each chunk as the sharded ``DTensor`` parameter."""
+        g = self.group
+        self.orig_dtype = tensors[0].dtype
+        self.layout = ChunkLayout.build(
+            [t.shape for t in tensors], g.mesh.shard_size, [p.placement.dim for p in self.params]
+        )
+        region = self._new_region(tensors[0])
+        if region.device.type != "meta":
+            self.layout.shard([t.detach() for t in tensors], g.mesh.shard_rank, out=region)
+        self._make_storage(region)
+        views = self.layout.local_views(region, g.mesh.shard_rank)
+        for p, view, rg in zip(self.params, views, requires_grad, strict=True):
+            p.make_sharded(view, g.mesh.mesh, g.mesh.placements(p.placement), rg)
+            p.site.set(p.sharded)
+
+    def _new_region(self, like: Tensor) -> Tensor:
+        g = self.group
+        device = like.device
+        if device.type != "meta":
+            device = torch.device("cpu") if g.offload_to_cpu else g.device
+        region = torch.zeros(self.layout.shard_numel, dtype=like.dtype, device=device)
+        if g.pin_memory and device.type == "cpu" and pins_host_memory(g.device):
+            region = region.pin_memory()
+        return region
+
+    def _make_storage(self, region: Tensor) -> None:
+        g = self.group
+        self.orig_dtype = region.dtype
+        param_dtype = g.mp.param_dtype
+        if param_dtype is None or not self.orig_dtype.is_floating_point:
+            param_dtype = self.orig_dtype
+        self.compute_dtype = param_dtype
+        self.reduce_dtype = g.mp.reduce_dtype or param_dtype
+        self.storage = self._storage(region, self.layout, g.mesh, offload=g.offload_to_cpu)
+        if g.post_forward is not None and g.post_forward is not g.mesh:
+            info = g.post_forward
+            self.post_layout = ChunkLayout.build(
+                self.layout.shapes, info.shard_size, self.layout.dims
+            )
+            post_region = torch.empty(
+                self.post_layout.shard_numel, dtype=self.compute_dtype, device=g.device
+            )
+            free_storage(post_region)
+            self.post_storage = self._storage(post_region, self.post_layout, info, offload=False)
+        else:
+            self.post_layout = self.post_storage = None
+        self.update_reduction()
+
+    def _storage(
+        self, region: Tensor, layout: ChunkLayout, info: MeshInfo, *, offload: bool
+    ) -> ShardedStorage:
+        g = self.group
+        return ShardedStorage(
+            region,
+            padded_numel=layout.padded_numel,
+            sharded=True,
+            group=info.shard_group,
+            rank=info.shard_rank,
+            world_size=info.shard_size,
+            compute_device=g.device,
+            compute_dtype=self.compute_dtype,
+            offload=offload,
+            pinned=offload and g.pin_memory and pins_host_memory(g.device),
+            replicate_group=info.replicate_group if info.replicate_size > 1 else None,
+            replicate_size=info.replicate_size,
+            record_streams=False,
+        )
+
+    def update_reduction(self) -> None:
+        """Set the storage's division and hook from the group's settings.
+
+        Like torch's FSDP2: fp32 and bf16 gradients are averaged by the
+        collective (the whole average after the sum, here: a post-division by
+        the data-parallel size, or by ``set_gradient_divide_factor``'s factor),
+        fp16 ones split the division around the sum (pre- and post-division)
+        against overflow and underflow.
+        """
+        g = self.group
+        size = g.mesh.shard_size * g.mesh.replicate_size
+        factor = float(size) if g.gradient_divide_factor is None else g.gradient_divide_factor
+        storage = self.storage
+        averaged = self.reduce_dtype in (torch.float32, torch.bfloat16)
+        if averaged:
+            storage.divide = (1.0, factor)
+        elif g.gradient_divide_factor is None:
+            storage.divide = gradient_divide_factors(size)
+        else:
+            pre, _ = gradient_divide_factors(int(factor)) if factor.is_integer() else (1.0, 0.0)
+            storage.divide = (pre, factor / pre)
+        storage.post_reduce_hook = g.all_reduce_hook
+        storage.hook_sees_average = averaged
+
+    def sync(self) -> None:
+        """Take back parameters something outside replaced; see ``ParamGroup.sync``."""
+        g = self.group
+        current: list[nn.Parameter] = []
+        for p in self.params:
+            registered: Any = p.site.get()
+            if isinstance(registered, DTensor) and registered is not p.sharded:
+                # Replaced by _apply or load_state_dict(assign=True): adopt the new object.
+                p.sharded = cast(nn.Parameter, registered)
+                for module, name in p.site.shared:
+                    module._parameters[name] = p.sharded
+            current.append(p.sharded)
+        locals_ = [local_tensor(p) for p in current]
+        if any(t.is_meta for t in locals_):
+            return  # still to be materialised (to_empty); the lazy init checks
+        region = self.storage.shard
+        device = torch.device("cpu") if g.offload_to_cpu else g.device
+        views = self.layout.local_views(region, g.mesh.shard_rank)
+        same = (
+            region.device.type != "meta"
+            and all(t.dtype == region.dtype and t.device == region.device for t in locals_)
+            and all(_same_memory(t, v) for t, v in zip(locals_, views, strict=True))
+        )
+        if same:
+            return
+        like = locals_[0]
+        new_region = torch.zeros(self.layout.shard_numel, dtype=like.dtype, device=device)
+        if g.pin_memory and device.type == "cpu" and pins_host_memory(g.device):
+            new_region = new_region.pin_memory()
+        new_views = self.layout.local_views(new_region, g.mesh.shard_rank)
+        with torch.no_grad():
+            for param, t, view in zip(current, locals_, new_views, strict=True):
+                view.copy_(t)
+                set_local_tensor(cast(DTensor, param), view)
+        for p in self.params:
+            p.unsharded = None  # dtype or device may have changed: made again at the next gather
+            p.buf = None
+        self._make_storage(new_region)
+
+    # --- gather -----------------------------------------------------------------------------
+
+    def start_gather(self, post_forward: bool) -> None:
+        """Issue this part's all-gather (from the post-forward copy if ``post_forward``)."""
+        storage = self.post_storage if post_forward else self.storage
+        assert storage is not None
+        storage.start_gather()
+
+    def finish_gather(self, post_forward: bool) -> None:
+        """Wait, copy every parameter out of the gathered buffer, free it; register the
+        unsharded leaves (see [Note: fully_shard parameter forms])."""
+        storage = self.post_storage if post_forward else self.storage
+        layout = self.post_layout if post_forward else self.layout
+        assert storage is not None and layout is not None
+        storage.finish_gather()
+        outs = [self._alloc_buf(i, p, layout) for i, p in enumerate(self.params)]
+        with torch.no_grad():
+            layout.unpack_gathered(storage.gathered, outs)
+        storage.free_gathered()
+        if post_forward:
+            free_storage(storage.shard)
+        for p in self.params:
+            leaf = p.unsharded
+            assert leaf is not None and p.buf is not None
+            if leaf.requires_grad != p.sharded.requires_grad:
+                leaf.requires_grad_(p.sharded.requires_grad)
+            p.site.set(leaf)
+
+    def _alloc_buf(self, i: int, p: ShardedParam, layout: ChunkLayout) -> Tensor:
+        """Parameter ``i``'s padded unsharded storage, allocated; a view of the prefix the
+        copy-out of ``layout`` fills."""
+        need = max(
+            layout.world_size * layout.slot_numel(i),
+            self.layout.world_size * self.layout.slot_numel(i),
+        )
+        buf = p.buf
+        if buf is None or buf.dtype != self.compute_dtype:
+            buf = torch.empty(need, dtype=self.compute_dtype, device=self.group.device)
+            p.unsharded_leaf(buf, self.layout.full_view(i, buf))
+        else:
+            alloc_storage(buf, need)
+        return buf.narrow(0, 0, layout.world_size * layout.slot_numel(i))
+
+    def free_unsharded(self) -> None:
+        """Free every unsharded leaf's storage (the leaves stay, see the note)."""
+        for p in self.params:
+            if p.buf is not None:
+                free_storage(p.buf)
+
+    def keep_post_forward(self) -> None:
+        """Copy this rank's chunk over the post-forward ranks out of the unsharded leaves."""
+        layout, storage = self.post_layout, self.post_storage
+        assert layout is not None and storage is not None
+        alloc_storage(storage.shard, layout.shard_numel)
+        rank = self.group.post_forward.shard_rank  # type: ignore[union-attr]
+        fulls = [self.layout.full_view(i, p.buf) for i, p in enumerate(self.params)]  # type: ignore[arg-type]
+        layout.shard(fulls, rank, out=storage.shard)
+
+    def unsharded_bytes(self) -> int:
+        """Bytes of gathered and unsharded storage this part holds now."""
+        total = self.storage.gathered_bytes
+        for p in self.params:
+            if p.buf is not None:
+                total += int(p.buf.untyped_storage().nbytes())
+        if self.post_storage is not None:
+            total += self.post_storage.gathered_bytes
+            total += int(self.post_storage.shard.untyped_storage().nbytes())
+        return total
+
+    # --- gradients --------------------------------------------------------------------------
+
+    def collect_grads(self, unused: bool) -> tuple[list[Tensor | None], list[bool]] | None:
+        """Take every parameter's unsharded gradient off its leaf; ``None`` if none has one.
+
+        The mask says which parameters get a reduced gradient: those with a
+        gradient here (or, with ``set_reduce_scatter_unused_params``, every
+        trainable one).
+        """
+        grads: list[Tensor | None] = []
+        mask: list[bool] = []
+        for p in self.params:
+            grad: Tensor | None = None
+            if p.accumulated_grad is not None:
+                grad, p.accumulated_grad = p.accumulated_grad, None
+            elif p.unsharded is not None and p.unsharded.grad is not None:
+                grad = p.unsharded.grad
+                p.unsharded.grad = None
+            grads.append(grad)
+            mask.append(grad is not None or (unused and p.sharded.requires_grad))
+        if not any(mask):
+            return None
+        return grads, mask
+
+    def reduce(self, grads: list[Tensor | None], mask: list[bool]) -> PendingReduce:
+        """Start the reduction of ``grads`` (one per parameter, None: zeros)."""
+        g = self.group
+        present = [t for t in grads if t is not None]
+
+        def fill() -> Tensor:
+            buf = self.storage.padded_grad(self.reduce_dtype)
+            full = [
+                t if t is not None else torch.zeros(shape, dtype=buf.dtype, device=buf.device)
+                for t, shape in zip(grads, self.layout.shapes, strict=True)
+            ]
+            with torch.no_grad():
+                self.layout.pack_full(full, buf)
+            return buf
+
+        partial, self.partial = self.partial, None
+        return self.storage.reduce(
+            _Reduction(self, mask),
+            fill,
+            keep_alive=present,
+            replicate=g.all_reduce_grads,
+            partial=partial,
+        )
+
+    def accumulate(self, reduce: PendingReduce, mask: list[bool]) -> None:
+        """Finish ``reduce`` and add this rank's chunks into the sharded ``.grad`` s."""
+        out, event = self.storage.finish(reduce)
+        if not reduce.final:  # reduce-scattered only: kept until the all-reduce
+            self.partial = out if self.partial is None else self.partial.add_(out)
+            return
+        g = self.group
+        storage = self.storage
+        storage.wait_for_host_grad()  # an earlier copy into a gradient added to below
+        taken = [p for p, take in zip(self.params, mask, strict=True) if take]
+        if event is not None and any(p.sharded.grad is not None for p in taken):
+            storage.synchronize(event)  # the CPU reads ``out`` now
+            event = None
+        views = self.layout.local_views(out, g.mesh.shard_rank)
+        for p, view, take in zip(self.params, views, mask, strict=True):
+            if not take:
+                continue
+            grad = p.sharded.grad
+            if grad is None:
+                p.sharded.grad = p.to_dtensor(view, g.mesh.mesh, g.mesh.placements(p.placement))
+            else:
+                with torch.no_grad():
+                    local_tensor(grad).add_(view)
+        storage.defer_host_event(event)  # a fresh host gradient: waited for at the end of backward
+
+    def accumulate_unsynced(self) -> None:
+        """After a backward without reduction: keep the gradient for the next one.
+
+        In the reduce dtype when that differs from the compute dtype (fp32
+        accumulation under bf16 compute), summed into what earlier unsynced
+        backwards left.
+        """
+        for p in self.params:
+            leaf = p.unsharded
+            if leaf is None or leaf.grad is None:
+                continue
+            if p.accumulated_grad is not None:
+                p.accumulated_grad += leaf.grad
+                leaf.grad = None
+            elif leaf.grad.dtype != self.reduce_dtype:
+                p.accumulated_grad = leaf.grad.to(self.reduce_dtype)
+                leaf.grad = None
+
+    def add_new_grads(self) -> None:
+        """A synced backward after unsynced ones: this backward's gradient into the kept one."""
+        for p in self.params:
+            leaf = p.unsharded
+            if p.accumulated_grad is not None and leaf is not None and leaf.grad is not None:
+                p.accumulated_grad += leaf.grad
+                leaf.grad = None
+
+
+class _Reduction:
+    """The owner of one part's reduction in flight (it remembers which gradients to set)."""
+
+    def __init__(self, part: GroupPart, mask: list[bool]) -> None:
+        self.part = part
+        self.mask = mask
+
+    def start_replica_reduce(self, reduce: PendingReduce) -> None:
+        self.part.storage.start_replica_reduce(reduce)
+
+    def finish_reduce_grad(self, reduce: PendingReduce) -> None:
+        self.part.accumulate(reduce, self.mask)
+
+
+class ParamGroup:
+    """The parameters of one ``fully_shard`` call; see the module docstring."""
+
+    modules: tuple[nn.Module, ...]
+    params: list[ShardedParam]
+    parts: list[GroupPart]
+    mesh: MeshInfo
+    post_forward: MeshInfo | None  # where parameters go after forward; None: kept unsharded
+    device: torch.device  # compute device
+    mp: MixedPrecisionPolicy
+    offload_to_cpu: bool
+    pin_memory: bool
+    state: GroupState
+    fqn: str  # the modules' names under the root, for messages
+    # User settings (FSDPModule.set_*)
+    reduce_grads: bool
+    all_reduce_grads: bool
+    reshard_after_backward: bool
+    unshard_in_backward: bool
+    reduce_scatter_unused_params: bool
+    gradient_divide_factor: float | None
+    all_reduce_hook: Callable[[Tensor], None] | None
+    _gathering_post_forward: bool  # the gather in flight reads the post-forward copy
+
+    def __init__(
+        self,
+        modules: tuple[nn.Module, ...],
+        params: list[ShardedParam],
+        tensors: list[nn.Parameter],
+        *,
+        mesh: MeshInfo,
+        post_forward: MeshInfo | None,
+        device: torch.device,
+        mp: MixedPrecisionPolicy,
+        offload: OffloadPolicy,
+    ) -> None:
+        self.modules = modules
+        self.params = params
+        self.mesh = mesh
+        self.post_forward = post_forward
+        self.device = device
+        self.mp = mp
+        self.offload_to_cpu = isinstance(offload, CPUOffloadPolicy)
+        self.pin_memory = isinstance(offload, CPUOffloadPolicy) and offload.pin_memory
+        self.state = GroupState.SHARDED
+        self.fqn = type(modules[0]).__name__
+        self.reduce_grads = True
+        self.all_reduce_grads = True
+        self.reshard_after_backward = True
+        self.unshard_in_backward = True
+        self.reduce_scatter_unused_params = False
+        self.gradient_divide_factor = None
+        self.all_reduce_hook = None
+        self._gathering_post_forward = False
+        self.parts = []
+        by_key: dict[tuple[torch.dtype, bool], list[int]] = {}
+        for i, t in enumerate(tensors):
+            by_key.setdefault((t.dtype, t.requires_grad), []).append(i)
+        for (_, trainable), idx in by_key.items():
+            part = GroupPart(self, [params[i] for i in idx], trainable)
+            part.build([tensors[i] for i in idx], [tensors[i].requires_grad for i in idx])
+            self.parts.append(part)
+
+    # --- settings ---------------------------------------------------------------------------
+
+    def set_post_forward(self, info: MeshInfo | None) -> None:
+        """Change where parameters go after forward (``set_reshard_after_forward``)."""
+        if self.state is GroupState.SHARDED_POST_FORWARD:
+            self.reshard()
+        self.post_forward = info
+        for part in self.parts:
+            part._make_storage(part.storage.shard)
+
+    def update_reduction(self) -> None:
+        """Apply a changed divide factor or all-reduce hook."""
+        for part in self.parts:
+            part.update_reduction()
+
+    def sync(self) -> None:
+        """Take in parameters replaced or moved from outside (``to_empty``, ``to``,
+        ``load_state_dict(assign=True)``): their data goes back into the region and
+        their local tensors become views of it again, as the all-gather needs."""
+        if self.state is not GroupState.SHARDED:
+            self.reshard()
+        for part in self.parts:
+            part.sync()
+
+    # --- SHARDED -> UNSHARDING -> UNSHARDED -> SHARDED (or SHARDED_POST_FORWARD) -----------
+
+    @property
+    def is_unsharded(self) -> bool:
+        return self.state is GroupState.UNSHARDED
+
+    def unshard(self) -> None:
+        """Issue the all-gathers (-> UNSHARDING); no-op unless SHARDED or SHARDED_POST_FORWARD."""
+        if self.state not in (GroupState.SHARDED, GroupState.SHARDED_POST_FORWARD):
+            return
+        post = self.state is GroupState.SHARDED_POST_FORWARD
+        for part in self.parts:
+            part.start_gather(post and part.post_storage is not None)
+        self._gathering_post_forward = post
+        self.state = GroupState.UNSHARDING
+
+    def wait_for_unshard(self) -> None:
+        """Finish the gathers and register the unsharded leaves (-> UNSHARDED)."""
+        if self.state is not GroupState.UNSHARDING:
+            return
+        post = self._gathering_post_forward
+        for part in self.parts:
+            part.finish_gather(post and part.post_storage is not None)
+        self._gathering_post_forward = False
+        self.state = GroupState.UNSHARDED
+
+    def reshard(self, after_forward: bool = False) -> None:
+        """Free the unsharded parameters and register the sharded ones.
+
+        ``after_forward`` with an int ``reshard_after_forward``: keep a copy of
+        this rank's chunk over the smaller group first (SHARDED_POST_FORWARD).
+        """
+        if self.state is GroupState.UNSHARDING:
+            self.wait_for_unshard()  # never free memory a collective is writing into
+        if self.state is GroupState.SHARDED_POST_FORWARD and not after_forward:
+            for part in self.parts:
+                if part.post_storage is not None:
+                    free_storage(part.post_storage.shard)
+            self.state = GroupState.SHARDED
+            return
+        if self.state is not GroupState.UNSHARDED:
+            return
+        keep = after_forward and any(part.post_storage is not None for part in self.parts)
+        for part in self.parts:
+            if keep and part.post_storage is not None:
+                part.keep_post_forward()
+            part.free_unsharded()
+            for p in part.params:
+                p.site.set(p.sharded)
+        self.state = GroupState.SHARDED_POST_FORWARD if keep else GroupState.SHARDED
+
+    def unsharded_bytes(self) -> int:
+        """Bytes of gathered and unsharded parameter storage held now (0 when SHARDED)."""
+        return sum(part.unsharded_bytes() for part in self.parts)
+
+    @property
+    def storages(self) -> list[ShardedStorage]:
+        """Every part's storage (for the end of backward)."""
+        return [part.storage for part in self.parts]
+
+    # --- gradients --------------------------------------------------------------------------
+
+    def post_backward_reduce(self) -> list[PendingReduce]:
+        """After this group's backward: reshard as set and start the reductions.
+
+        Without gradient sync (``set_requires_gradient_sync(False)``) the
+        gradients stay on the unsharded leaves (or accumulate in the reduce
+        dtype) for the next backward, as torch's.
+        """
+        for part in self.parts:
+            part.add_new_grads()
+        if not self.reduce_grads:
+            if self.reshard_after_backward:
+                self.reshard()
+            for part in self.parts:
+                part.accumulate_unsynced()
+            return []
+        collected = [
+            (part, part.collect_grads(self.reduce_scatter_unused_params))
+            for part in self.parts
+            if part.trainable
+        ]
+        if self.reshard_after_backward:
+            self.reshard()
+        return [part.reduce(*found) for part, found in collected if found is not None]
+
+
+def _same_memory(t: Tensor, view: Tensor) -> bool:
+    if t.numel() == 0 or view.numel() == 0:
+        return t.shape == view.shape
+    return t.data_ptr() == view.data_ptr() and t.shape == view.shape
