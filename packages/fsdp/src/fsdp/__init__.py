@@ -16,6 +16,7 @@ from fsdp._fully_shard._api import (
     UnshardHandle,
     fully_shard,
     register_fsdp_forward_method,
+    share_comm_ctx,
 )
 from fsdp._fully_shard._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from fsdp._runtime._common import TrainingState, TrainingStateError
@@ -84,6 +85,7 @@ __all__ = [
     "is_flat_parameter",
     "local_shards",
     "register_fsdp_forward_method",
+    "share_comm_ctx",
     "to_fsdp_policy",
     "to_fsdp_type",
     "unwrapped_name",

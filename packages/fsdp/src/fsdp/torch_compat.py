@@ -1,11 +1,14 @@
-"""Make libraries written for torch's FSDP1 use ours: :func:`install` and :func:`uninstall`.
+"""Make libraries written for torch's FSDP use ours: :func:`install` and :func:`uninstall`.
 
 Lightning, accelerate and transformers' ``Trainer`` import ``FullyShardedDataParallel``,
 its option types, its wrap policies and ``ShardedGradScaler`` from
 ``torch.distributed.fsdp`` (and its submodules ``api``, ``fully_sharded_data_parallel``,
-``wrap``, ``sharded_grad_scaler``). :func:`install` puts ours under those names in those
-modules, so a library that imports them afterwards gets ours, and one that imports
-them inside its functions (most do) gets ours from then on::
+``wrap``, ``sharded_grad_scaler``); torchtitan, accelerate's ``fsdp_version: 2`` and
+Lightning's ``ModelParallelStrategy`` import FSDP2's ``fully_shard``, ``FSDPModule``,
+``MixedPrecisionPolicy``, ``CPUOffloadPolicy`` (...) from ``torch.distributed.fsdp`` or
+the older ``torch.distributed._composable.fsdp``. :func:`install` puts ours under those
+names in those modules, so a library that imports them afterwards gets ours, and one
+that imports them inside its functions (most do) gets ours from then on::
 
     import fsdp.torch_compat
 
@@ -18,7 +21,8 @@ package that imports torch's FSDP modules, and only to replace names in them.
 
 What stays torch's: torch's own internals, which bound torch's classes when
 ``torch.distributed.fsdp`` was first imported (this module imports it before
-patching, so that is always before), and everything of FSDP2 (``fully_shard``).
+patching, so that is always before), and FSDP2's private modules (``_fsdp_param``,
+``_fsdp_param_group``, ...), which only torch's own ``fully_shard`` uses.
 :func:`uninstall` puts torch's objects back; both are idempotent.
 """
 
@@ -63,16 +67,35 @@ _WRAP_NAMES = (
 )
 
 
+_FULLY_SHARD_NAMES = (
+    "FSDPModule",
+    "UnshardHandle",
+    "fully_shard",
+    "register_fsdp_forward_method",
+    "share_comm_ctx",
+)
+_POLICY_NAMES = ("CPUOffloadPolicy", "MixedPrecisionPolicy", "OffloadPolicy")
+
+
 def _replacements() -> dict[str, dict[str, Any]]:
     """torch module name -> {name: our object}."""
     ours = {name: getattr(fsdp, name) for name in _OPTION_TYPES}
+    fully_shard = {name: getattr(fsdp, name) for name in _FULLY_SHARD_NAMES}
+    policies = {name: getattr(fsdp, name) for name in _POLICY_NAMES}
     fsdp_names = {
         **ours,
+        **fully_shard,
+        **policies,
         "FullyShardedDataParallel": fsdp.FullyShardedDataParallel,
         "OptimStateKeyType": fsdp.OptimStateKeyType,
     }
     return {
         "torch.distributed.fsdp": fsdp_names,
+        "torch.distributed.fsdp._fully_shard": {**fully_shard, **policies},
+        "torch.distributed.fsdp._fully_shard._fully_shard": fully_shard,
+        "torch.distributed.fsdp._fully_shard._fsdp_api": policies,
+        "torch.distributed._composable.fsdp": {**fully_shard, **policies},
+        "torch.distributed._composable.fsdp.fully_shard": fully_shard,
         "torch.distributed.fsdp.api": ours,
         "torch.distributed.fsdp.fully_sharded_data_parallel": fsdp_names,
         "torch.distributed.fsdp.wrap": {name: getattr(wrap, name) for name in _WRAP_NAMES},

@@ -10,6 +10,7 @@ parameters of ``module`` (those not already managed by a nested call) as
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, NoReturn, cast
 
@@ -24,16 +25,22 @@ from fsdp._fully_shard._mesh import (
     post_forward_info,
 )
 from fsdp._fully_shard._param import ParamSite, ShardedParam
-from fsdp._fully_shard._param_group import GroupState, ParamGroup
+from fsdp._fully_shard._param_group import OWNER, GroupState, ParamGroup
 from fsdp._fully_shard._policies import (
     MixedPrecisionPolicy,
     OffloadPolicy,
     to_mp_policy,
     to_offload_policy,
 )
-from fsdp._fully_shard._state import FullyShardState, state_of
+from fsdp._fully_shard._state import ORPHAN, FullyShardState, state_of
 
-__all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method"]
+__all__ = [
+    "FSDPModule",
+    "UnshardHandle",
+    "fully_shard",
+    "register_fsdp_forward_method",
+    "share_comm_ctx",
+]
 
 _FSDP_CLASSES: dict[type, type] = {}  # original class -> FSDP<original class>
 
@@ -127,7 +134,7 @@ def fully_shard(
     post_forward = post_forward_info(True if auto else reshard_after_forward, info)  # type: ignore[arg-type]
     ignored = set(ignored_params or ())
     managed = _managed_modules(module, ignored)
-    params = _managed_params(managed, ignored)
+    params = _adopt_tied(module, _managed_params(managed, ignored), ignored)
     _move_to_device(managed, params, ignored, device)
     group = None
     if params:
@@ -212,6 +219,49 @@ def _managed_params(modules: Iterable[nn.Module], ignored: set[nn.Parameter]) ->
                 )
             params.append(p)
     return params
+
+
+def _adopt_tied(
+    root: nn.Module, params: list[nn.Parameter], ignored: set[nn.Parameter]
+) -> list[nn.Parameter]:
+    """Resolve parameters tied to ones another call sharded; see [Note: tied parameters
+    across fully_shard calls] in ``_param_group.py``.
+
+    A parameter a nested call inside ``root`` owns comes to this call; one owned
+    by a call outside ``root`` (a sibling) is released by it and left to a common
+    parent: it is marked orphan with the modules that use it, and the first
+    later call whose subtree holds all of those modules takes it.
+    """
+    inside = {id(m) for m in root.modules()}
+    out: list[nn.Parameter] = []
+    orphaned: set[int] = set()
+    for p in params:
+        owner_ref = p.__dict__.get(OWNER)
+        owner = owner_ref() if owner_ref is not None else None
+        if owner is None:
+            out.append(p)
+            continue
+        users = [m for m in root.modules() if any(q is p for q in m._parameters.values())]
+        users += owner.users_of(p)
+        owner.release(p)
+        if all(id(m) in inside for m in users):
+            out.append(p)
+        else:
+            p.__dict__[ORPHAN] = [weakref.ref(m) for m in users]
+            orphaned.add(id(p))
+    taken = {id(p) for p in out}
+    for sub in root.modules():
+        for q in sub._parameters.values():
+            if q is None or id(q) in taken or id(q) in orphaned or q in ignored:
+                continue
+            refs = q.__dict__.get(ORPHAN)
+            if refs is None:
+                continue
+            if all((m := r()) is None or id(m) in inside for r in refs):
+                del q.__dict__[ORPHAN]
+                taken.add(id(q))
+                out.append(q)
+    return out
 
 
 def _move_to_device(
@@ -556,6 +606,12 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
         return state._post_forward(cast(nn.Module, module), args, out)
 
     setattr(module, method_name, wrapped)
+
+
+def share_comm_ctx(modules: list[FSDPModule]) -> None:
+    """Accepted for torch's API (pipeline stages sharing CUDA streams): every module
+    on a device already shares one unshard and one post-backward stream here."""
+    _check_fsdp_modules(modules)
 
 
 def _check_fsdp_modules(modules: Iterable[Any]) -> None:

@@ -29,6 +29,7 @@ modules' ``_parameters`` directly.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -71,6 +72,7 @@ class ShardedParam:
     unsharded: nn.Parameter | None  # full-shaped leaf; created at the first gather
     buf: Tensor | None  # 1-D padded storage of ``unsharded`` (compute dtype); freed between uses
     accumulated_grad: Tensor | None  # reduce-dtype gradient kept across unsynced backwards
+    orig: weakref.ref[Tensor] | None  # the original parameter (for ties across calls)
 
     def __init__(self, site: ParamSite, shape: torch.Size, placement: Shard) -> None:
         self.site = site
@@ -80,6 +82,7 @@ class ShardedParam:
         self.unsharded = None
         self.buf = None
         self.accumulated_grad = None
+        self.orig = None
 
     def make_sharded(
         self,

@@ -21,6 +21,7 @@ until its pre-forward waits for it.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from enum import Enum, auto
 from typing import Any, cast
@@ -42,7 +43,10 @@ from fsdp._runtime._sharded_storage import (
     free_storage,
 )
 
-__all__ = ["GroupPart", "GroupState", "ParamGroup"]
+__all__ = ["OWNER", "GroupPart", "GroupState", "ParamGroup"]
+
+OWNER = "_fsdp_fully_shard_owner"
+"""On an original parameter a group sharded: a weak reference to that group."""
 
 
 class GroupState(Enum):
@@ -88,6 +92,29 @@ class GroupPart:
         self.post_storage = None
 
     # --- construction and re-synchronisation ------------------------------------------------
+
+    def drop(self, index: int) -> None:
+        """Remove parameter ``index`` (see [Note: tied parameters across fully_shard calls]):
+        the others move into a new region, each with its own local chunk."""
+        keep = [p for i, p in enumerate(self.params) if i != index]
+        if not keep:
+            self.params = []
+            return
+        g = self.group
+        old_views = self.layout.local_views(self.storage.shard, g.mesh.shard_rank)
+        kept_views = [v for i, v in enumerate(old_views) if i != index]
+        self.params = keep
+        self.layout = ChunkLayout.build(
+            [p.shape for p in keep], g.mesh.shard_size, [p.placement.dim for p in keep]
+        )
+        region = self._new_region(self.storage.shard)
+        new_views = self.layout.local_views(region, g.mesh.shard_rank)
+        with torch.no_grad():
+            for p, old, new in zip(keep, kept_views, new_views, strict=True):
+                if region.device.type != "meta":
+                    new.copy_(old)
+                set_local_tensor(cast(DTensor, p.sharded), new)
+        self._make_storage(region)
 
     def build(self, tensors: Sequence[Tensor], requires_grad: Sequence[bool]) -> None:
         """Shard ``tensors`` (the original parameters' data) into a new region and wrap
@@ -467,6 +494,46 @@ class ParamGroup:
             part = GroupPart(self, [params[i] for i in idx], trainable)
             part.build([tensors[i] for i in idx], [tensors[i].requires_grad for i in idx])
             self.parts.append(part)
+        for p, t in zip(params, tensors, strict=True):
+            p.orig = weakref.ref(t)
+            t.__dict__[OWNER] = weakref.ref(self)
+
+    def users_of(self, orig: nn.Parameter) -> list[nn.Module]:
+        """The modules where this group registered the parameter whose original is ``orig``."""
+        for p in self.params:
+            if p.orig is not None and p.orig() is orig:
+                return [p.site.module, *(m for m, _ in p.site.shared)]
+        return []
+
+    def release(self, orig: nn.Parameter) -> None:
+        """Give up the parameter whose original tensor is ``orig`` (before any training).
+
+        [Note: tied parameters across fully_shard calls]
+        A parameter used by modules of two ``fully_shard`` calls (an embedding
+        sharded on its own and tied to the head of the root) belongs to the
+        innermost call whose modules contain all its uses, so that it is
+        gathered whenever any of them computes and its gradient is summed from
+        every use before it is reduced. Calls run bottom-up, so the inner call
+        takes it first; when an enclosing call meets the same original tensor
+        among its own modules' parameters, the inner group releases it here:
+        every site gets the original tensor back (still the initial value:
+        nothing has trained yet) and the other parameters of its part move to a
+        region without it, each keeping its own rank-local chunk (a chunk does
+        not depend on the other parameters of a layout, so no communication is
+        needed). The enclosing call then shards it with its own parameters. A
+        tie between two sibling calls (two blocks) is released by the second and
+        taken by their parent; one that no enclosing call takes is refused at
+        the first forward (``_state.py``).
+        """
+        for part in self.parts:
+            for i, p in enumerate(part.params):
+                if p.orig is not None and p.orig() is orig:
+                    p.site.set(orig)
+                    part.drop(i)
+                    self.params.remove(p)
+                    break
+        self.parts = [part for part in self.parts if part.params]
+        orig.__dict__.pop(OWNER, None)
 
     # --- settings ---------------------------------------------------------------------------
 

@@ -71,6 +71,10 @@ __all__ = ["STATE_ATTR", "FullyShardState", "Phase", "state_of"]
 STATE_ATTR = "_fsdp_fully_shard_state"
 """Attribute (in the module's ``__dict__``) under which a module holds its state."""
 
+ORPHAN = "_fsdp_fully_shard_orphan"
+"""On an original parameter tied across two sibling calls, released by one and not yet
+taken by a common parent (see [Note: tied parameters across fully_shard calls])."""
+
 _GATHERABLE = (GroupState.SHARDED, GroupState.SHARDED_POST_FORWARD)
 
 
@@ -184,6 +188,7 @@ class FullyShardState:
                     "outer module only after running the inner one alone)."
                 )
             states.append(state)
+        _check_no_orphans(self.module)
         self.is_root = True
         for state in states[1:]:
             state.is_root = False
@@ -547,6 +552,22 @@ def _check_materialized(group: ParamGroup) -> None:
                 'For example, load a CPU state dict or call module.to_empty(device="cpu"). '
                 f"Found following parameters on non-CPU device: {off}\n"
             )
+
+
+def _check_no_orphans(root: nn.Module) -> None:
+    uses: dict[int, list[str]] = {}
+    for name, p in root.named_parameters(remove_duplicate=False):
+        if p.__dict__.get(ORPHAN):
+            uses.setdefault(id(p), []).append(name)
+    if uses:
+        names = next(iter(uses.values()))
+        raise ValueError(
+            f"parameter {names[0]!r} is also used as {', '.join(map(repr, names[1:]))}, in "
+            "modules of different fully_shard calls, and no fully_shard call contains them "
+            "all: its copies would train apart. Apply fully_shard to a module that contains "
+            "every use (usually the root model: fully_shard(model) after the blocks), which "
+            "then owns it."
+        )
 
 
 def _check_states_agree(states: list[FullyShardState]) -> None:
