@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: N817
 
 from tests.fsdp._common import SEQ, VOCAB, Block, loss_fn, make_net
 
-WRAPPERS = ("fsdp", "fsdp-orig", "ddp-zero", "ddp")
+WRAPPERS = ("fsdp", "fsdp-orig", "ddp-zero", "ddp", "fully_shard")
 LR = 1e-2
 
 
@@ -28,6 +28,13 @@ def wrap(kind: str, seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
     from zero_optim import ZeroRedundancyOptimizer
 
     net = make_net(seed)
+    if kind == "fully_shard":
+        from fsdp import fully_shard
+
+        for block in net.blocks:
+            fully_shard(block)
+        fully_shard(net)
+        return net, torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=0.1)
     if kind in ("fsdp", "fsdp-orig"):
         model: nn.Module = FSDP(
             net, auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=kind == "fsdp-orig"

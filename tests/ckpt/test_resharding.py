@@ -12,6 +12,7 @@ FQN-keyed state dicts in memory (``rank0_only``, ``torch.save``d by rank 0).
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -22,16 +23,25 @@ from torch import nn
 
 import ckpt
 from ckpt import FullStateDictConfig, StateDictType
+from fsdp import FSDPModule
 from tests.ckpt._wrappers import WRAPPERS, full_weights, same, train, wrap
 from tests.ranks import run_ranks
 
-SOURCES = ("fsdp", "fsdp-orig", "ddp-zero")
+SOURCES = ("fsdp", "fsdp-orig", "ddp-zero", "fully_shard")
 
 
 def _full_model_state(model: nn.Module) -> dict[str, Any]:
     """The unwrapped keys, full, on rank 0 only (CPU)."""
     if isinstance(model, nn.parallel.DistributedDataParallel):
         sd = {k: v.detach().clone() for k, v in model.module.state_dict().items()}
+        return sd if dist.get_rank() == 0 else {}
+    if isinstance(model, FSDPModule):
+        from torch.distributed.tensor import DTensor
+
+        sd = {
+            k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+            for k, v in model.state_dict().items()
+        }
         return sd if dist.get_rank() == 0 else {}
     config = FullStateDictConfig(offload_to_cpu=True, rank0_only=True)
     with ckpt.state_dict_type(model, StateDictType.FULL_STATE_DICT, config):
@@ -41,6 +51,18 @@ def _full_model_state(model: nn.Module) -> dict[str, Any]:
 def _load_full_model_state(model: nn.Module, sd: dict[str, Any]) -> None:
     if isinstance(model, nn.parallel.DistributedDataParallel):
         model.module.load_state_dict(sd)
+    elif isinstance(model, FSDPModule):
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        current = model.state_dict()
+        model.load_state_dict(
+            {
+                k: distribute_tensor(v, current[k].device_mesh, current[k].placements)
+                if isinstance(current[k], DTensor)
+                else v
+                for k, v in sd.items()
+            }
+        )
     else:
         model.load_state_dict(sd)  # the default FULL type
 
@@ -76,10 +98,12 @@ def _rank_resume(root: str, expected: dict[str, Any]) -> dict[str, bool]:
             ckpt.load(state, Path(root) / source)
             ok = state["step"] == 3 and train(model, optim, 3, 5) == want_losses
             results[f"{source}->{kind} disk"] = ok and same(full_weights(model), want_weights)
-            # In memory: the full FQN-keyed state dicts.
+            # In memory: the full FQN-keyed state dicts. A copy for each: torch's optimizers
+            # load tensors like the step counts by reference and then count on in them.
             model, optim = wrap(kind, seed=9)
-            _load_full_model_state(model, full["model"])
-            ckpt.load_optim_state_dict(model, optim, full["optim"])
+            loaded = copy.deepcopy(full)
+            _load_full_model_state(model, loaded["model"])
+            ckpt.load_optim_state_dict(model, optim, loaded["optim"])
             ok = train(model, optim, 3, 5) == want_losses
             results[f"{source}->{kind} full"] = ok and same(full_weights(model), want_weights)
     return results

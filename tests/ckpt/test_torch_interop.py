@@ -8,7 +8,10 @@ and per-parameter dimension-0 chunks are what torch's own state-dict helpers
   ``fully_shard`` (FSDP2) on 4 ranks with ``dcp.load`` and resumes identically;
 * a checkpoint saved by torch's FSDP1 with ``dcp.save`` on 2 ranks loads into our
   fsdp on 4 ranks with ``ckpt.load(verify=False)`` (a plain DCP directory has no
-  manifest) and resumes identically.
+  manifest) and resumes identically;
+* the same both ways between our ``fully_shard`` and torch's, from 2 ranks to 4 and
+  to 1: ``ckpt.save`` of ours into torch's with ``dcp.load``, torch's ``dcp.save``
+  into ours with ``ckpt.load``.
 """
 
 from __future__ import annotations
@@ -80,14 +83,37 @@ def _rank_save(root: str) -> dict[str, Any]:
     train(theirs, theirs_optim, 0, 3)
     msd, osd = get_state_dict(theirs, theirs_optim)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(Path(root) / "torch"))
+    fs, fs_optim = wrap("fully_shard")
+    train(fs, fs_optim, 0, 3)
+    ckpt.save({"model": fs, "optim": fs_optim}, Path(root) / "ours_fully_shard")
+    tfs, tfs_optim = _torch_fsdp2(0)
+    train(tfs, tfs_optim, 0, 3)
+    msd, osd = get_state_dict(tfs, tfs_optim)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(Path(root) / "torch_fully_shard"))
     return {
         "ours": (train(ours, ours_optim, 3, 5), full_weights(ours)),
         "torch": (train(theirs, theirs_optim, 3, 5), full_weights(theirs)),
+        "ours_fully_shard": (train(fs, fs_optim, 3, 5), full_weights(fs)),
+        "torch_fully_shard": (train(tfs, tfs_optim, 3, 5), _fsdp2_weights(tfs)),
     }
 
 
 def _rank_load(root: str, expected: dict[str, Any]) -> dict[str, bool]:
     results = {}
+    losses, weights = expected["ours_fully_shard"]
+    model, optim = _torch_fsdp2(9)
+    _dcp_load(model, optim, Path(root) / "ours_fully_shard")
+    results["ours fully_shard -> torch fully_shard"] = train(model, optim, 3, 5) == losses and same(
+        _fsdp2_weights(model), weights
+    )
+    losses, weights = expected["torch_fully_shard"]
+    ours, ours_optim = wrap("fully_shard", seed=9)
+    ckpt.load({"model": ours, "optim": ours_optim}, Path(root) / "torch_fully_shard", verify=False)
+    results["torch fully_shard -> ours fully_shard"] = train(
+        ours, ours_optim, 3, 5
+    ) == losses and same(full_weights(ours), weights)
+    if torch.distributed.get_world_size() == 1:
+        return results  # torch's FSDP1 cases below need the 4-rank layout
     losses, weights = expected["ours"]
     model, optim = _torch_fsdp1(9)
     _dcp_load(model, optim, Path(root) / "ours")
@@ -110,7 +136,9 @@ def _rank_load(root: str, expected: dict[str, Any]) -> dict[str, bool]:
 
 def test_checkpoints_move_between_our_fsdp_and_torchs(tmp_path: Path) -> None:
     expected = run_ranks(_rank_save, 2, str(tmp_path), timeout=120)[0]
-    # Our fsdp and torch's FSDP1 train identically: the comparison below is exact.
+    # Ours and torch's train identically: the comparisons below are exact.
     assert expected["ours"][0] == expected["torch"][0]
-    for results in run_ranks(_rank_load, 4, str(tmp_path), expected, timeout=180):
-        assert results and all(results.values()), results
+    assert expected["ours_fully_shard"][0] == expected["torch_fully_shard"][0]
+    for world_size in (4, 1):
+        for results in run_ranks(_rank_load, world_size, str(tmp_path), expected, timeout=180):
+            assert results and all(results.values()), (world_size, results)

@@ -139,7 +139,14 @@ def full_params(model: nn.Module) -> dict[str, Tensor]:
                 n.replace("_fsdp_wrapped_module.", ""): p.detach().clone()
                 for n, p in model.named_parameters()
             }
-    return {n.removeprefix("module."): p.detach().clone() for n, p in model.named_parameters()}
+    from torch.distributed.tensor import DTensor
+
+    return {
+        n.removeprefix("module."): (p.full_tensor() if isinstance(p, DTensor) else p)
+        .detach()
+        .clone()
+        for n, p in model.named_parameters()
+    }
 
 
 def max_diff(a: dict[str, Tensor], b: dict[str, Tensor]) -> float:

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_optimizer_state_dict,
@@ -69,4 +70,21 @@ def load_optim_state_dict(
     elif has_fsdp(model):
         optim.load_state_dict(load_fsdp_optim_state_dict(model, optim, state_dict))
     else:
-        set_optimizer_state_dict(model, optim, dict(state_dict))
+        # Full tensors for DTensor parameters (fully_shard): torch's loader distributes them.
+        full = _has_dtensor_params(model) and not _has_dtensor_values(state_dict)
+        options = StateDictOptions(full_state_dict=full)
+        set_optimizer_state_dict(model, optim, dict(state_dict), options=options)
+
+
+def _has_dtensor_params(model: nn.Module) -> bool:
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def _has_dtensor_values(obj: Any) -> bool:
+    if isinstance(obj, DTensor):
+        return True
+    if isinstance(obj, Mapping):
+        return any(_has_dtensor_values(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(_has_dtensor_values(v) for v in obj)
+    return False
