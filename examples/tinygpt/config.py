@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-Wrapper = Literal["fsdp", "ddp-zero", "ddp"]
+Wrapper = Literal["fsdp", "fully_shard", "ddp-zero", "ddp"]
 Impl = Literal["ours", "torch"]
 Precision = Literal["fp32", "bf16"]
 Device = Literal["auto", "cpu", "cuda"]
@@ -39,11 +39,12 @@ class TrainConfig:
 
     # ---- parallelism --------------------------------------------------------------
     wrapper: Wrapper = "fsdp"
-    """How the model is distributed: fsdp (our FullyShardedDataParallel), ddp-zero
-    (DDP with our ZeroRedundancyOptimizer) or ddp (torch's DDP, plain AdamW)."""
+    """How the model is distributed: fsdp (our FullyShardedDataParallel), fully_shard
+    (FSDP2's API: our fully_shard), ddp-zero (DDP with our ZeroRedundancyOptimizer) or
+    ddp (torch's DDP, plain AdamW)."""
     impl: Impl = "ours"
-    """Whose FSDP / ZeroRedundancyOptimizer to use: ours (this repo's packages) or
-    torch (PyTorch's own, the reference we are measured against)."""
+    """Whose FSDP / fully_shard / ZeroRedundancyOptimizer to use: ours (this repo's
+    packages) or torch (PyTorch's own, the reference we are measured against)."""
     strategy: str | None = None
     """FSDP sharding strategy (FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD,
     _HYBRID_SHARD_ZERO2); only with --wrapper fsdp, which defaults to FULL_SHARD."""
@@ -51,8 +52,8 @@ class TrainConfig:
     """bf16: compute in bfloat16 (FSDP MixedPrecision with fp32 gradient reduction, or
     autocast under DDP) while parameters and optimizer state stay fp32."""
     cpu_offload: bool = False
-    """Keep FSDP's sharded parameters and gradients on the CPU between uses (FSDP
-    only)."""
+    """Keep FSDP's sharded parameters and gradients on the CPU between uses (fsdp and
+    fully_shard only)."""
     device: Device = "auto"
     """auto: each rank takes the GPU of its local rank when CUDA is present, else the
     CPU (gloo)."""
@@ -183,13 +184,15 @@ class TrainConfig:
             raise ValueError(f"--dropout must be in [0, 1), got {self.dropout}")
         if not 0.0 < self.val_fraction < 0.5:
             raise ValueError(f"--val-fraction must be in (0, 0.5), got {self.val_fraction}")
-        if self.wrapper != "fsdp":
-            for name in ("strategy", "cpu_offload"):
-                if getattr(self, name):
-                    raise ValueError(
-                        f"--{_flag(name)} applies to --wrapper fsdp only "
-                        f"(got --wrapper {self.wrapper})"
-                    )
+        if self.wrapper != "fsdp" and self.strategy:
+            raise ValueError(
+                f"--strategy applies to --wrapper fsdp only (got --wrapper {self.wrapper})"
+            )
+        if self.wrapper not in ("fsdp", "fully_shard") and self.cpu_offload:
+            raise ValueError(
+                f"--cpu-offload applies to --wrapper fsdp or fully_shard only "
+                f"(got --wrapper {self.wrapper})"
+            )
         if self.strategy is not None and self.strategy not in STRATEGIES:
             raise ValueError(f"--strategy {self.strategy!r} is not one of {', '.join(STRATEGIES)}")
         if self.resume is not None and not self.checkpoint_every:

@@ -2,13 +2,14 @@
 
 The order, as in ``build_parallel``:
 1. the model is built on every rank with the same seed (identical replicas);
-2. it is wrapped: ``apply_fsdp`` (sharded) or ``apply_ddp`` (replicated);
+2. it is wrapped: ``apply_fsdp`` (sharded by FSDP1's wrapper), ``apply_fully_shard``
+   (sharded by FSDP2's ``fully_shard``, in place) or ``apply_ddp`` (replicated);
 3. the optimizer is built on the *wrapped* model's parameters, because FSDP replaces
    the parameters by its sharded flat parameters (an optimizer built before wrapping
    would update tensors nobody uses).
 
-``--impl torch`` swaps our packages for PyTorch's own FullyShardedDataParallel and
-ZeroRedundancyOptimizer: same constructor arguments, so the program doubles as a
+``--impl torch`` swaps our packages for PyTorch's own FullyShardedDataParallel,
+fully_shard and ZeroRedundancyOptimizer: same arguments, so the program doubles as a
 side-by-side comparison.
 """
 
@@ -73,6 +74,9 @@ def check_available(cfg: TrainConfig) -> None:
         names = ["FullyShardedDataParallel", "ShardingStrategy", "MixedPrecision", "CPUOffload"]
         _api("fsdp", cfg.impl, names, "--wrapper fsdp")
         _api("fsdp.wrap", cfg.impl, ["ModuleWrapPolicy"], "--wrapper fsdp")
+    elif cfg.wrapper == "fully_shard":
+        names = ["fully_shard", "MixedPrecisionPolicy", "CPUOffloadPolicy"]
+        _api("fsdp", cfg.impl, names, "--wrapper fully_shard")
     elif cfg.wrapper == "ddp-zero":
         _api("zero", cfg.impl, ["ZeroRedundancyOptimizer"], "--wrapper ddp-zero")
 
@@ -100,6 +104,29 @@ def apply_fsdp(model: GPT, cfg: TrainConfig, env: DistEnv) -> nn.Module:
     return wrapped
 
 
+def apply_fully_shard(model: GPT, cfg: TrainConfig, env: DistEnv) -> nn.Module:
+    """Shard the model with FSDP2's ``fully_shard``: each transformer block, then the
+    root (embeddings, final norm, head), bottom-up; parameters become ``DTensor`` s."""
+    api = _api("fsdp", cfg.impl, ["fully_shard"], "--wrapper fully_shard")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model.to(env.device)
+    mesh = init_device_mesh(env.device.type, (env.world_size,))
+    kwargs: dict[str, Any] = {"mesh": mesh}
+    if cfg.mixed_precision == "bf16":
+        # bf16 all-gathers and compute; gradients reduced in fp32 for accuracy.
+        kwargs["mp_policy"] = api.MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+        )
+    if cfg.cpu_offload:
+        kwargs["offload_policy"] = api.CPUOffloadPolicy()
+    for module in model.modules():
+        if isinstance(module, Block):
+            api.fully_shard(module, **kwargs)
+    api.fully_shard(model, **kwargs)
+    return model
+
+
 def apply_ddp(model: GPT, cfg: TrainConfig, env: DistEnv) -> nn.Module:
     """Replicate the model; gradients are all-reduced in buckets during backward.
 
@@ -115,6 +142,8 @@ def build_parallel(model: GPT, cfg: TrainConfig, env: DistEnv) -> nn.Module:
     """Wrap the model as --wrapper says (see the module docstring for the order)."""
     if cfg.wrapper == "fsdp":
         return apply_fsdp(model, cfg, env)
+    if cfg.wrapper == "fully_shard":
+        return apply_fully_shard(model, cfg, env)
     return apply_ddp(model, cfg, env)
 
 
@@ -153,7 +182,8 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
     """Clip the gradient norm of the whole model, returning the norm before clipping.
 
     FSDP's gradients are shards, so only its own ``clip_grad_norm_`` (which reduces the
-    squared norms across ranks) sees the global norm; DDP's are full replicas."""
+    squared norms across ranks) sees the global norm; DDP's are full replicas, and
+    fully_shard's are ``DTensor`` s, whose norm torch's ``clip_grad_norm_`` reduces."""
     own = getattr(model, "clip_grad_norm_", None)
     if callable(own):
         norm: torch.Tensor = own(max_norm if max_norm > 0 else float("inf"))
@@ -180,7 +210,7 @@ def accumulating(model: nn.Module, last_micro_batch: bool) -> Iterator[None]:
 
 
 def autocast(cfg: TrainConfig, env: DistEnv) -> contextlib.AbstractContextManager[Any]:
-    """bf16 autocast for the DDP wrappers; FSDP casts through its MixedPrecision."""
-    if cfg.mixed_precision == "bf16" and cfg.wrapper != "fsdp":
+    """bf16 autocast for the DDP wrappers; FSDP casts through its mixed-precision policy."""
+    if cfg.mixed_precision == "bf16" and cfg.wrapper not in ("fsdp", "fully_shard"):
         return torch.autocast(device_type=env.device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
