@@ -65,8 +65,9 @@ def tests(session: nox.Session) -> None:
 
 @nox.session
 def compat(session: nox.Session) -> None:
-    """PyTorch Lightning (Fabric and Trainer, FSDPStrategy) over our FSDP on 2 gloo ranks:
-    train, save, resume; losses against the uninterrupted run and torch's FSDP1."""
+    """PyTorch Lightning over our FSDP on 2 gloo ranks: Fabric and Trainer with FSDPStrategy
+    (FSDP1), Fabric with ModelParallelStrategy (FSDP2's fully_shard): train, save, resume;
+    losses against the uninterrupted run and torch's own implementation."""
     _install_stack(session, *TEST_DEPS, *COMPAT_DEPS)
     session.run("pytest", "tests/compat", *session.posargs, env={"OMP_NUM_THREADS": "1"})
 

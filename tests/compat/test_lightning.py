@@ -77,3 +77,20 @@ def test_lightning_trains_saves_and_resumes_on_ours(
                 # from the second micro-batch of an accumulation on, in some runs; torch's
                 # own use_orig_params=True and False differ from each other the same way.
                 assert whole[:n] == pytest.approx(r["torch-same-orig"], rel=1e-6, abs=0), r
+
+
+def _model_parallel_rank(root: str) -> dict[str, Any]:
+    from tests.compat._model_parallel import model_parallel_run
+
+    return {impl: model_parallel_run(impl, root) for impl in ("ours", "torch")}
+
+
+def test_model_parallel_strategy_with_fully_shard(tmp_path: Path) -> None:
+    """Lightning's ModelParallelStrategy (FSDP2) with a parallelize_fn calling fully_shard:
+    ours trains, saves, resumes exactly and equals torch's fully_shard bit for bit."""
+    for result in run_ranks(_model_parallel_rank, 2, str(tmp_path), timeout=240):
+        ours, theirs = result["ours"], result["torch"]
+        assert ours["ours"] and not theirs["ours"]
+        assert ours["resumed"] == ours["whole"]
+        assert ours["whole"] == theirs["whole"]
+        assert theirs["resumed"] == theirs["whole"]

@@ -67,9 +67,15 @@ def _torch_names_rank() -> dict[str, Any]:
         got = _train(model)
     finally:
         fsdp.torch_compat.uninstall()
+    import torch.distributed._composable.fsdp as composable
     import torch.distributed.fsdp as torch_fsdp
 
-    restored = torch_fsdp.fully_shard is not fsdp.fully_shard
+    # Every name torch's again, also in modules install() itself imported first.
+    restored = (
+        torch_fsdp.fully_shard is not fsdp.fully_shard
+        and composable.FSDPModule is torch_fsdp.FSDPModule
+        and composable.fully_shard is torch_fsdp.fully_shard
+    )
     same = want[0] == got[0] and all(
         torch.equal(a, b) for a, b in zip(want[1], got[1], strict=True)
     )

@@ -35,6 +35,7 @@ CASES: dict[str, Case] = {
     "frozen": Case(frozen=True),
     "accumulate_no_sync": Case(accumulate=2),
     "clip_grad_norm": Case(clip=0.05),
+    "accumulate_clip": Case(accumulate=2, clip=0.5),
     "meta_init": Case(meta=True),
     "ignored_params": Case(ignore_head_bias=True),
     "shard_dim1": Case(shard_dim1=True, min_world=2),

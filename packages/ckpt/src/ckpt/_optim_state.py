@@ -15,12 +15,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from ckpt._fsdp_optim_state import fsdp_optim_state_dict, load_fsdp_optim_state_dict
 from ckpt._zero_state import load_zero_optim_state_dict, zero_optim_state_dict

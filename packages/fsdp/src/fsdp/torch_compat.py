@@ -123,8 +123,13 @@ def install() -> None:
     """
     if _saved:
         return
-    for module_name, names in _replacements().items():
-        module = importlib.import_module(module_name)
+    replacements = _replacements()
+    # Import every module first: one imported after another was patched would copy our
+    # objects into its namespace (torch.distributed._composable.fsdp re-exports
+    # torch.distributed.fsdp's names), and those would pass for torch's at uninstall().
+    modules = {name: importlib.import_module(name) for name in replacements}
+    for module_name, names in replacements.items():
+        module = modules[module_name]
         for name, obj in names.items():
             _saved[(module_name, name)] = module.__dict__.get(name, _MISSING)
             setattr(module, name, obj)

@@ -1,0 +1,96 @@
+"""Lightning Fabric's ``ModelParallelStrategy`` (FSDP2) runs, inside ranks.
+
+The strategy builds a 2-D device mesh (data parallel x tensor parallel) and hands it
+to the user's ``parallelize_fn``, which calls ``fully_shard`` from
+``torch.distributed.fsdp``. After ``fsdp.torch_compat.install()`` that name is ours;
+``fabric.save`` / ``fabric.load`` then go through torch's
+``torch.distributed.checkpoint.state_dict`` functions and DCP on our ``DTensor`` s.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tests.compat._fabric import ACCUMULATE, SAVE_AT, STEPS, lightning_env
+from tests.fsdp._common import Block, batches, loss_fn, make_net
+
+
+def parallelize(model: nn.Module, device_mesh: Any) -> nn.Module:
+    """What a user's ``parallelize_fn`` does: fully_shard each block, then the root."""
+    from torch.distributed.fsdp import fully_shard  # ours after install()
+
+    mesh = device_mesh["data_parallel"]
+    for module in model.modules():
+        if isinstance(module, Block):
+            fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _train(fabric: Any, model: nn.Module, opt: Any, data: list[Any], steps: range) -> list[float]:
+    losses = []
+    for i in steps:
+        for micro in range(ACCUMULATE):
+            x, y = data[i * ACCUMULATE + micro]
+            with fabric.no_backward_sync(model, enabled=micro < ACCUMULATE - 1):
+                loss = loss_fn(model(x), y)
+                fabric.backward(loss)
+            losses.append(loss.item())
+        fabric.clip_gradients(model, opt, max_norm=0.5)
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+def model_parallel_run(impl: str, root: str) -> dict[str, Any]:
+    """Uninterrupted, then saved at SAVE_AT and resumed into a model seeded otherwise."""
+    import fsdp
+
+    if impl == "ours":
+        import fsdp.torch_compat
+
+        fsdp.torch_compat.install()
+    lightning_env()
+    import lightning as L
+    from lightning.fabric.strategies import ModelParallelStrategy
+
+    try:
+        fabric = L.Fabric(
+            accelerator="cpu",
+            devices=dist.get_world_size(),
+            strategy=ModelParallelStrategy(
+                parallelize, data_parallel_size=dist.get_world_size(), tensor_parallel_size=1
+            ),
+        )
+        fabric.launch()
+        data = batches(STEPS * ACCUMULATE)
+
+        def setup(seed: int) -> tuple[nn.Module, Any]:
+            model = fabric.setup_module(make_net(seed))
+            opt = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+            return model, opt
+
+        model, opt = setup(0)
+        whole = _train(fabric, model, opt, data, range(STEPS))
+        kind = type(model._forward_module)
+        model, opt = setup(0)
+        first = _train(fabric, model, opt, data, range(SAVE_AT))
+        path = os.path.join(root, f"model-parallel-{impl}")
+        fabric.save(path, {"model": model, "optimizer": opt, "step": SAVE_AT})
+        model, opt = setup(1)
+        state: dict[str, Any] = {"model": model, "optimizer": opt}
+        rest = fabric.load(path, state)
+        resumed = _train(fabric, model, opt, data, range(rest["step"], STEPS))
+    finally:
+        if impl == "ours":
+            fsdp.torch_compat.uninstall()
+    return {
+        "whole": whole,
+        "resumed": first + resumed,
+        "ours": issubclass(kind, fsdp.FSDPModule),
+    }
