@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from fsdp._fully_shard._mesh import (
+    InvalidArgumentError,
     default_mesh,
     mesh_device,
     mesh_info,
@@ -115,9 +116,10 @@ def fully_shard(
             "supported by this implementation; pass the data-parallel mesh and plain parameters"
         )
     if state_of(module) is not None:
-        raise ValueError(
-            f"fully_shard was already applied to this {type(module).__name__}: apply it once per "
-            "module (inner modules first, then the outer ones)"
+        raise InvalidArgumentError(
+            "Each distinct composable distributed API can only be applied to a module once. "
+            f"fully_shard was already applied to this {type(module).__name__}: apply it once "
+            "per module (inner modules first, then the outer ones)"
         )
     if module.__dict__.get("_fsdp_state") is not None or hasattr(module, "_fsdp_wrapped_module"):
         raise ValueError(
@@ -140,7 +142,7 @@ def fully_shard(
     if params:
         sites = _sites(module, params)
         sharded = [
-            ShardedParam(site, p.shape, _placement(shard_placement_fn, p))
+            ShardedParam(site, p.shape, _placement(shard_placement_fn, p, info.shard_size))
             for site, p in zip(sites, params, strict=True)
         ]
         group = ParamGroup(
@@ -199,6 +201,13 @@ def _managed_params(modules: Iterable[nn.Module], ignored: set[nn.Parameter]) ->
                 raise ValueError(
                     "fully_shard doesn't support scalar parameters. "
                     f"Change {name} to a 1D tensor with numel equal to 1."
+                )
+            if hasattr(p, "fsdp_pre_all_gather") or hasattr(p, "fsdp_post_all_gather"):
+                raise NotImplementedError(
+                    f"parameter {name!r} is a {type(p).__name__} with fsdp_pre_all_gather / "
+                    "fsdp_post_all_gather (FSDP2's all-gather extensions, e.g. float8 "
+                    "training): not supported by this implementation, which gathers the "
+                    "parameter's own data; use a plain tensor parameter"
                 )
             if isinstance(p, DTensor):
                 raise NotImplementedError(
@@ -299,10 +308,9 @@ def _sites(root: nn.Module, params: list[nn.Parameter]) -> list[ParamSite]:
     return [sites[id(p)] for p in params]
 
 
-def _placement(fn: Callable[[nn.Parameter], Any] | None, param: nn.Parameter) -> Shard:
-    if fn is None:
-        return Shard(0)
-    placement = fn(param)
+def _placement(fn: Callable[[nn.Parameter], Any] | None, param: nn.Parameter, shards: int) -> Shard:
+    """The ``Shard(dim)`` to cut ``param`` along, checked against its shape."""
+    placement = None if fn is None else fn(param)
     if placement is None:
         return Shard(0)
     if not isinstance(placement, Shard) or type(placement) is not Shard:
@@ -311,6 +319,18 @@ def _placement(fn: Callable[[nn.Parameter], Any] | None, param: nn.Parameter) ->
             "is supported by this implementation (not a per-parameter mesh)"
         )
     dim = placement.dim + param.dim() if placement.dim < 0 else placement.dim
+    if not 0 <= dim < param.dim():
+        raise InvalidArgumentError(
+            f"Shard dim {placement.dim} is invalid for {param.dim()}D tensor: "
+            f"{tuple(param.shape)}; return a dim the parameter has from shard_placement_fn "
+            "(or None for dim 0)"
+        )
+    if dim > 0 and param.shape[dim] % shards != 0:
+        raise NotImplementedError(
+            f"FSDP does not support uneven sharding on dim {dim}: {tuple(param.shape)} "
+            f"(world size: {shards}); a chunk along a dimension other than 0 must be even, so "
+            "cut this parameter along dim 0 (return None) or along a dim that divides"
+        )
     return Shard(dim)
 
 
@@ -489,7 +509,7 @@ class FSDPModule:
         for group in self._groups(recurse=False):
             if stream is not None and group.mesh.replicate_size > 1:
                 raise ValueError("stream cannot be set when using native HSDP")
-            group.all_reduce_hook = hook
+            group.all_reduce_hook = hook if stream is None else _on_stream(hook, stream)
             group.update_reduction()
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
@@ -566,6 +586,19 @@ class FSDPModule:
         if group is not None:
             group.sync()
         return out
+
+
+def _on_stream(hook: Callable[[torch.Tensor], None], stream: Any) -> Callable[[torch.Tensor], None]:
+    """``hook`` run with ``stream`` current (after the stream waited for the current one)."""
+
+    def run(output: torch.Tensor) -> None:
+        module: Any = torch.get_device_module(output.device)
+        stream.wait_stream(module.current_stream())
+        with module.stream(stream):
+            hook(output)
+        module.current_stream().wait_stream(stream)
+
+    return run
 
 
 class UnshardHandle:

@@ -19,7 +19,26 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Placement, Replicate, Shard
 
-__all__ = ["MeshInfo", "default_mesh", "mesh_device", "mesh_info", "post_forward_info"]
+__all__ = [
+    "InvalidArgumentError",
+    "MeshInfo",
+    "default_mesh",
+    "mesh_device",
+    "mesh_info",
+    "post_forward_info",
+]
+
+
+class InvalidArgumentError(ValueError, AssertionError):
+    """A ``fully_shard`` argument it cannot work with.
+
+    A ``ValueError``, which is what it is; an ``AssertionError`` too, because
+    torch's ``fully_shard`` raises that for the same mistakes (a 2-D mesh
+    without dimension names, a shard dimension the parameter does not have,
+    applying it twice) and code written against torch catches it. The message
+    keeps torch's words and adds the fix.
+    """
+
 
 _log = logging.getLogger("fsdp")
 
@@ -59,8 +78,9 @@ def mesh_info(mesh: Any) -> MeshInfo:
     if mesh.ndim not in (1, 2):
         raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}")
     if mesh.ndim == 2 and mesh.mesh_dim_names is None:
-        raise ValueError(
-            "fully_shard with a 2D DeviceMesh (HSDP) needs mesh_dim_names: build it with "
+        raise InvalidArgumentError(
+            "Please init the 2D mesh for HSDP with mesh_dim_names specified: fully_shard "
+            "shards along the last dimension and replicates along the first, so build it with "
             "init_device_mesh(device, (replicas, shards), mesh_dim_names=('replicate', 'shard'))"
         )
     shard_dim = mesh.ndim - 1
