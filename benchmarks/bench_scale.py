@@ -1,6 +1,6 @@
-"""Ours vs torch's ZeRO and FSDP1 at three model sizes (~5M, ~30M, ~60M) on 2 and 4 ranks.
+"""Ours vs torch's ZeRO, FSDP1 and FSDP2 at three model sizes (~5M, ~30M, ~60M), 2 and 4 ranks.
 
-One table. For every size and world size, three families are timed, each in
+One table. For every size and world size, four families are timed, each in
 one launch that holds the family's variants and steps them in turns (so load
 from elsewhere on the machine hits them alike):
 
@@ -10,7 +10,9 @@ from elsewhere on the machine hits them alike):
   parameters with no collective at all, which no data-parallel wrapper can
   beat on this machine (its ratio bounds every other row's);
 * FSDP1 FULL_SHARD: torch's and ours; FSDP1 SHARD_GRAD_OP: torch's and ours
-  (one unit per transformer block plus the root, as in ``bench_fsdp``).
+  (one unit per transformer block plus the root, as in ``bench_fsdp``);
+* FSDP2: torch's ``fully_shard`` and ours (each block, then the root, with
+  their defaults), and torch's FSDP1 FULL_SHARD beside them for reference.
 
 All with AdamW, fp32, gloo on the CPU, the same GPT and batches. Columns:
 
@@ -57,7 +59,7 @@ from benchmarks.common import (
     time_round_robin,
 )
 
-DESCRIPTION = "ours vs torch ZeRO / FSDP1 at ~5M, ~30M, ~60M parameters, 2 and 4 ranks"
+DESCRIPTION = "ours vs torch ZeRO / FSDP1 / FSDP2 at ~5M, ~30M, ~60M parameters, 2 and 4 ranks"
 
 SIZES = {
     "5M": {"vocab": 4096, "d_model": 256, "n_layers": 4, "n_heads": 4, "seq_len": 64},
@@ -78,11 +80,14 @@ TORCH_FULL = "torch FSDP1 FULL_SHARD"
 OURS_FULL = "ours FULL_SHARD"
 TORCH_SGO = "torch FSDP1 SHARD_GRAD_OP"
 OURS_SGO = "ours SHARD_GRAD_OP"
+TORCH_FSDP2 = "torch fully_shard"
+OURS_FSDP2 = "ours fully_shard"
 # family -> its variants, torch's first (the baseline of the others)
 FAMILIES = {
     "zero": [TORCH_ZERO, OURS_ZERO, OURS_OWNERS, FLOOR],
     "full": [TORCH_FULL, OURS_FULL],
     "sgo": [TORCH_SGO, OURS_SGO],
+    "fsdp2": [TORCH_FSDP2, OURS_FSDP2, TORCH_FULL],
 }
 
 _SPIED = (
@@ -176,6 +181,18 @@ class _Trainer:
                     hook = zero_optim.hook_with_zero_step_to_owners(self.wrapped, self.opt)
                     self.wrapped.register_comm_hook(None, hook)
             return
+        if variant in (TORCH_FSDP2, OURS_FSDP2):
+            if variant == OURS_FSDP2:
+                from fsdp import fully_shard
+            else:
+                from torch.distributed.fsdp import fully_shard
+            for module in self.model.modules():
+                if isinstance(module, Block):
+                    fully_shard(module)
+            fully_shard(self.model)
+            self.wrapped = self.model
+            self.opt = adamw(self.model.parameters(), lr=LR)
+            return
         if variant in (OURS_FULL, OURS_SGO):
             import fsdp
             import fsdp.wrap
@@ -236,16 +253,22 @@ class _Trainer:
         import torch
 
         params = list(self.wrapped.parameters())
-        held = sum(p.numel() * p.element_size() for p in params)
-        held += sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
+        held = sum(_local_bytes(p) for p in params)
+        held += sum(_local_bytes(p.grad) for p in params if p.grad is not None)
         state = self.opt.optim.state if hasattr(self.opt, "optim") else self.opt.state
         held += sum(
-            t.numel() * t.element_size()
+            _local_bytes(t)
             for s in state.values()
             for k, t in s.items()
             if k != "step" and isinstance(t, torch.Tensor)
         )
         return int(held)
+
+
+def _local_bytes(t: Any) -> int:
+    """Bytes of ``t`` on this rank (a ``DTensor``'s local shard)."""
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return int(local.numel() * local.element_size())
 
 
 def _timing_rank(variants: list[str], model: dict[str, int], warmup: int, iters: int) -> Any:
@@ -360,7 +383,9 @@ def run(options: Options) -> list[Table]:
     table.notes += [
         "ideal state/rank (ZeRO paper, fp32 AdamW): stage 1 = (4 + 4 + 8/N) bytes per "
         "parameter for the ZeRO rows (the to-owners hook reduces like stage 2, but DDP still "
-        "allocates every gradient); stage 3 = 16/N for both FSDP strategies",
+        "allocates every gradient); stage 3 = 16/N for every FSDP row",
+        "fully_shard rows: vs torch = over torch's fully_shard; the FSDP1 row beside them is "
+        "torch's FSDP1 FULL_SHARD, for reference",
         "traffic in the ring model; x DDP = over plain DDP's 2 x param bytes x (N-1)/N",
         "paired = 25th-75th percentile of per-round ratios ours/torch (same round, same load)",
     ]

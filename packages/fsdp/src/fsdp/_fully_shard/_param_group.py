@@ -152,19 +152,23 @@ class GroupPart:
         self.compute_dtype = param_dtype
         self.reduce_dtype = g.mp.reduce_dtype or param_dtype
         self.storage = self._storage(region, self.layout, g.mesh, offload=g.offload_to_cpu)
-        if g.post_forward is not None and g.post_forward is not g.mesh:
-            info = g.post_forward
-            self.post_layout = ChunkLayout.build(
-                self.layout.shapes, info.shard_size, self.layout.dims
-            )
-            post_region = torch.empty(
-                self.post_layout.shard_numel, dtype=self.compute_dtype, device=g.device
-            )
-            free_storage(post_region)
-            self.post_storage = self._storage(post_region, self.post_layout, info, offload=False)
-        else:
-            self.post_layout = self.post_storage = None
+        self.make_post_storage()
         self.update_reduction()
+
+    def make_post_storage(self) -> None:
+        """The storage of the copy kept between forward and backward under an int
+        ``reshard_after_forward`` (none otherwise); its shard is allocated only then."""
+        g = self.group
+        if g.post_forward is None or g.post_forward is g.mesh:
+            self.post_layout = self.post_storage = None
+            return
+        info = g.post_forward
+        self.post_layout = ChunkLayout.build(self.layout.shapes, info.shard_size, self.layout.dims)
+        post_region = torch.empty(
+            self.post_layout.shard_numel, dtype=self.compute_dtype, device=g.device
+        )
+        free_storage(post_region)
+        self.post_storage = self._storage(post_region, self.post_layout, info, offload=False)
 
     def _storage(
         self, region: Tensor, layout: ChunkLayout, info: MeshInfo, *, offload: bool
@@ -543,7 +547,7 @@ class ParamGroup:
             self.reshard()
         self.post_forward = info
         for part in self.parts:
-            part._make_storage(part.storage.shard)
+            part.make_post_storage()
 
     def update_reduction(self) -> None:
         """Apply a changed divide factor or all-reduce hook."""
