@@ -10,7 +10,7 @@ The agreement step that raises :class:`RankDisagreementError` is in ``_agreement
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
 __all__ = [
@@ -170,19 +170,21 @@ def disagreement_message(
 
 @contextmanager
 def named_backend_failures(
-    rank: int, operation: str, target: str, phase: str = ""
+    rank: int | Callable[[], int], operation: str, target: str, phase: str = ""
 ) -> Iterator[None]:
     """Re-raise a backend ``RuntimeError`` inside the block as a :class:`CollectiveError`.
 
     The one translation every package's collectives go through, so a timeout or a
     dead peer reads the same whichever package met it. An error already named
-    passes through unchanged.
+    passes through unchanged. ``rank`` may be a function, called only on failure
+    (asking the process group costs more than the block does when nothing fails).
     """
     try:
         yield
     except CollectiveError:
         raise
     except RuntimeError as e:  # torch's DistError/DistBackendError derive from it
+        who = rank() if callable(rank) else rank
         raise CollectiveError.from_backend(
-            e, rank=rank, operation=operation, target=target, phase=phase
+            e, rank=who, operation=operation, target=target, phase=phase
         ) from e

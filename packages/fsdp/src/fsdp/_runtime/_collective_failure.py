@@ -35,7 +35,7 @@ def _rank() -> int:
 
 def backend_failures(operation: str, target: str) -> AbstractContextManager[None]:
     """Turn a backend ``RuntimeError`` inside the block into a :class:`CollectiveError`."""
-    return named_backend_failures(_rank(), operation, target)
+    return named_backend_failures(_rank, operation, target)
 
 
 def in_phase(phase: str) -> Callable[[_F], _F]:
