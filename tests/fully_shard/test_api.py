@@ -237,7 +237,9 @@ def _errors_rank() -> dict[str, str]:
             fn()
             out[name] = "no error"
         except Exception as e:
-            out[name] = f"{type(e).__name__}: {e}"
+            # Our argument errors are ValueErrors and (as torch's) AssertionErrors.
+            both = isinstance(e, ValueError) and isinstance(e, AssertionError)
+            out[name] = f"{'ValueError+AssertionError' if both else type(e).__name__}: {e}"
 
     class Scalar(nn.Module):
         def __init__(self) -> None:
@@ -296,7 +298,10 @@ def test_errors_name_the_problem_and_the_fix() -> None:
         "ValueError: fully_shard does not support containers that do not implement forward"
     )
     assert out["list"].startswith("NotImplementedError") and "common parent" in out["list"]
-    assert out["twice"].startswith("ValueError") and "already applied" in out["twice"]
+    assert out["twice"].startswith(
+        "ValueError+AssertionError: Each distinct composable distributed API can only be applied"
+    )
+    assert "already applied" in out["twice"]
     assert out["bad_mesh"].startswith("TypeError") and "init_device_mesh" in out["bad_mesh"]
     assert out["mesh_3d"].startswith("ValueError: fully_shard expects a 1D or 2D DeviceMesh")
     assert out["reshard_int"].startswith("ValueError") and "factor of 2" in out["reshard_int"]
