@@ -1,8 +1,15 @@
 """Sessions for the monorepo: tests, compat, gpu, typecheck, lint, build, bench.
 
-torch is installed first in every session as ``torch==2.13.0`` (a CPU build that
-lies on local disk on our machines); set ``FSDP_TORCH_SPEC`` to install another
-build, e.g. ``FSDP_TORCH_SPEC="torch==2.13.0 --index-url ..."`` on a GPU box.
+torch is installed first in every session as ``torch==2.13.0`` from whatever index pip
+is configured with. Nothing here picks the CPU or a CUDA build: on Linux, PyPI's
+default ``torch`` wheel is the CUDA build (several GB, with its CUDA libraries). Set
+``FSDP_TORCH_SPEC`` to choose, e.g. the CPU build:
+``FSDP_TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"``,
+or a CUDA one with its index (``.../whl/cu128``) on a GPU box.
+
+The four packages install under the distribution names ``shardkit-flatparam``,
+``shardkit-zero-optim``, ``shardkit-fsdp`` and ``shardkit-ckpt`` (PyPI has an unrelated
+``ckpt``); the import names are ``flatparam``, ``zero_optim``, ``fsdp`` and ``ckpt``.
 """
 
 from __future__ import annotations
@@ -17,7 +24,8 @@ import nox
 import nox.command
 
 ROOT = Path(__file__).parent
-# Dependency order: each package only needs the ones before it.
+# Dependency order: each package only needs the ones before it. Import names; the
+# distributions are "shardkit-" + the name with dashes (tools/install_check.py).
 PACKAGES = ["flatparam", "zero_optim", "fsdp", "ckpt"]
 TORCH = shlex.split(os.environ.get("FSDP_TORCH_SPEC", "torch==2.13.0"))
 # transformers: tests/fsdp/test_transformers.py builds GPT-2 and Llama from configs (no
@@ -126,9 +134,9 @@ def build(session: nox.Session) -> None:
         session.run("python", "-m", "venv", str(venv), external=True)
         py = str(venv / "bin" / "python")
         session.run(py, "-m", "pip", "install", "-q", *TORCH, external=True)
-        # --no-index: our packages and their siblings come from dist/ alone. PyPI holds an
-        # unrelated "ckpt" with a higher version that an index lookup would prefer.
-        (wheel,) = dist.glob(f"{name}-*.whl")
+        # --no-index: our packages and their siblings come from dist/ alone (they are not
+        # on PyPI). Wheel names spell the distribution with underscores.
+        (wheel,) = dist.glob(f"shardkit_{name}-*.whl")
         session.run(
             py,
             "-m",

@@ -2,7 +2,7 @@
 
 Also ``python -m ckpt``. Every command reads through ``CheckpointReader`` and the
 manifest functions, so nothing from a checkpoint is ever run ([Note: no code from a
-checkpoint]). Progress bars (``rich``, installed with ``ckpt[cli]``) appear on a
+checkpoint]). Progress bars (``rich``, installed with ``shardkit-ckpt[cli]``) appear on a
 terminal for hashing and exporting; without rich or a terminal the commands print
 only their results.
 """
