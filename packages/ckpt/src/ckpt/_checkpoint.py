@@ -183,13 +183,23 @@ class _SaveTransaction:
             # process's planning step raises directly), so the partial directory is no
             # one's any more.
             self.state = SaveState.FAILED
-            if self.comm.is_coordinator:
-                shutil.rmtree(_layout.partial_path(self.path), ignore_errors=True)
             refused = found_disk_full(e)  # [Note: naming a full disk]
+            ran_out = refused is None and is_disk_full(e)
+
+            def clean_up() -> DiskFullError | None:
+                shutil.rmtree(_layout.partial_path(self.path), ignore_errors=True)
+                # Rank 0's writer planned the whole save, so its estimate is the one;
+                # measured after the cleanup, so the free bytes are a retry's.
+                return disk_full(self.path, writer.needed) if ran_out else None
+
+            # Every rank got the same failure from DCP, so all are here together.
+            full = self.comm.run_on_coordinator(
+                f"clean up the failed save to {self.path}", clean_up
+            )
             if refused is not None:
                 raise refused from None
-            if is_disk_full(e):
-                raise disk_full(self.path, writer.needed) from e
+            if full is not None:
+                raise full from e
             assert isinstance(e, CheckpointException)
             raise _dcp_failure(f"write {self.path}", e) from e
         except BaseException as e:
