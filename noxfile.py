@@ -108,6 +108,8 @@ def typecheck(session: nox.Session) -> None:
         str(examples / "data" / "make_corpus.py"),
         env={"MYPYPATH": f"{examples}:{examples / 'data'}"},
     )  # fmt: skip
+    minimal = sorted(str(p) for p in (examples / "minimal").glob("*.py"))
+    session.run("mypy", "--strict", *minimal, env={"MYPYPATH": str(examples / "minimal")})
 
 
 @nox.session
