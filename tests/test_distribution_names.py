@@ -105,3 +105,15 @@ def test_installed_under_the_prefixed_names() -> None:
         except importlib.metadata.PackageNotFoundError:
             pytest.fail(f"{dist} is not installed: pip install ./packages/{name}")
         assert version == importlib.import_module(name).__version__, dist
+
+
+def test_declared_torch_floors_are_the_readmes() -> None:
+    # The README's "Which torch versions" table gives each floor with its reason;
+    # the pyproject files must declare the same.
+    text = (ROOT / "README.md").read_text()
+    table = dict(re.findall(r"^\| `(\w+)` \| >= ([\d.]+) \|", text, re.M))
+    assert set(table) == set(OURS), table
+    for name in OURS:
+        meta = tomllib.loads((ROOT / "packages" / name / "pyproject.toml").read_text())
+        torch_req = [d for d in meta["project"]["dependencies"] if d.startswith("torch")]
+        assert torch_req == [f"torch>={table[name]}"], (name, torch_req)
