@@ -37,6 +37,8 @@ TEST_DEPS = [
     "numpy",
     "transformers==5.23.0",
     "peft==0.21.2",  # tests/fsdp/test_lora.py: LoRA on a Llama under use_orig_params=True
+    "packaging",  # tests/test_distribution_names.py runs tools/install_check.py --pins
+    "tomli; python_version < '3.11'",  # tomllib's backport, for the tests that read TOML
 ]
 # safetensors: ckpt imports it (typed); the packages themselves are not installed here.
 TYPE_DEPS = ["mypy==2.4.1", "pytest==9.2.0", "hypothesis==6.170.15", "numpy", "safetensors==0.8.0"]
