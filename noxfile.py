@@ -43,7 +43,8 @@ TEST_DEPS = [
 # safetensors: ckpt imports it (typed); the packages themselves are not installed here.
 TYPE_DEPS = ["mypy==2.4.1", "pytest==9.2.0", "hypothesis==6.170.15", "numpy", "safetensors==0.8.0"]
 # What examples/train.py needs beyond the stack (its end-to-end test runs in `tests`).
-EXAMPLE_DEPS = ["rich==15.0.0", "matplotlib==3.11.2"]
+# TensorBoard is optional: train.py writes its event files only when it is installed.
+EXAMPLE_DEPS = ["rich==15.0.0", "matplotlib==3.11.2", "tomli; python_version < '3.11'"]
 LINT_DEPS = ["ruff==0.17.6"]
 # The compat session: Lightning driving our FSDP through torch's names (tests/compat).
 COMPAT_DEPS = ["lightning==2.6.6"]
@@ -204,7 +205,7 @@ def train(session: nox.Session) -> None:
             interrupt_timeout=None,  # let the ranks finish their step and checkpoint
         )  # fmt: skip
     except nox.command.CommandFailed as exc:
-        if exc.return_code == 130:  # stopped by a signal after a checkpoint (SIGTERM too)
+        if exc.return_code in (130, 143):  # stopped by SIGINT or SIGTERM after a checkpoint
             raise KeyboardInterrupt from None  # nox: "Session train interrupted."
         raise
 
