@@ -18,6 +18,7 @@ import hashlib
 import os
 import shlex
 import tempfile
+import zipfile
 from pathlib import Path
 
 import nox
@@ -139,9 +140,14 @@ def build(session: nox.Session) -> None:
         session.run("python", "-m", "venv", str(venv), external=True)
         py = str(venv / "bin" / "python")
         session.run(py, "-m", "pip", "install", "-q", *TORCH, external=True)
-        # --no-index: our packages and their siblings come from dist/ alone (they are not
-        # on PyPI). Wheel names spell the distribution with underscores.
+        # --no-index: our packages and their siblings come from dist/ alone (should a
+        # shardkit-* name ever appear on PyPI, it is not ours); their third-party
+        # dependencies (safetensors) from the index first. Wheel names spell the
+        # distribution with underscores.
         (wheel,) = dist.glob(f"shardkit_{name}-*.whl")
+        others = _third_party_requirements(dist)
+        if others:
+            session.run(py, "-m", "pip", "install", "-q", *others, external=True)
         session.run(
             py,
             "-m",
@@ -161,6 +167,22 @@ def build(session: nox.Session) -> None:
             wheel.name.split("-")[1],
             external=True,
         )
+
+
+def _third_party_requirements(dist: Path) -> list[str]:
+    """The requirements of our wheels in ``dist`` that are neither torch nor ours nor
+    an extra's (read from each wheel's METADATA)."""
+    found: set[str] = set()
+    for wheel in dist.glob("*.whl"):
+        with zipfile.ZipFile(wheel) as archive:
+            meta = next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))
+            text = archive.read(meta).decode()
+        for line in text.splitlines():
+            if line.startswith("Requires-Dist:"):
+                req = line.split(":", 1)[1].strip()
+                if "extra ==" not in req and not req.startswith(("torch", "shardkit-")):
+                    found.add(req)
+    return sorted(found)
 
 
 def _check_versions(session: nox.Session) -> None:
