@@ -1,8 +1,15 @@
 """Sessions for the monorepo: tests, compat, gpu, typecheck, lint, build, bench.
 
-torch is installed first in every session as ``torch==2.13.0`` (a CPU build that
-lies on local disk on our machines); set ``FSDP_TORCH_SPEC`` to install another
-build, e.g. ``FSDP_TORCH_SPEC="torch==2.13.0 --index-url ..."`` on a GPU box.
+torch is installed first in every session as ``torch==2.13.0`` from whatever index pip
+is configured with. Nothing here picks the CPU or a CUDA build: on Linux, PyPI's
+default ``torch`` wheel is the CUDA build (several GB, with its CUDA libraries). Set
+``FSDP_TORCH_SPEC`` to choose, e.g. the CPU build:
+``FSDP_TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"``,
+or a CUDA one with its index (``.../whl/cu128``) on a GPU box.
+
+The four packages install under the distribution names ``shardkit-flatparam``,
+``shardkit-zero-optim``, ``shardkit-fsdp`` and ``shardkit-ckpt`` (PyPI has an unrelated
+``ckpt``); the import names are ``flatparam``, ``zero_optim``, ``fsdp`` and ``ckpt``.
 """
 
 from __future__ import annotations
@@ -11,13 +18,15 @@ import hashlib
 import os
 import shlex
 import tempfile
+import zipfile
 from pathlib import Path
 
 import nox
 import nox.command
 
 ROOT = Path(__file__).parent
-# Dependency order: each package only needs the ones before it.
+# Dependency order: each package only needs the ones before it. Import names; the
+# distributions are "shardkit-" + the name with dashes (tools/install_check.py).
 PACKAGES = ["flatparam", "zero_optim", "fsdp", "ckpt"]
 TORCH = shlex.split(os.environ.get("FSDP_TORCH_SPEC", "torch==2.13.0"))
 # transformers: tests/fsdp/test_transformers.py builds GPT-2 and Llama from configs (no
@@ -29,11 +38,14 @@ TEST_DEPS = [
     "numpy",
     "transformers==5.23.0",
     "peft==0.21.2",  # tests/fsdp/test_lora.py: LoRA on a Llama under use_orig_params=True
+    "packaging",  # tests/test_distribution_names.py runs tools/install_check.py --pins
+    "tomli; python_version < '3.11'",  # tomllib's backport, for the tests that read TOML
 ]
 # safetensors: ckpt imports it (typed); the packages themselves are not installed here.
 TYPE_DEPS = ["mypy==2.4.1", "pytest==9.2.0", "hypothesis==6.170.15", "numpy", "safetensors==0.8.0"]
 # What examples/train.py needs beyond the stack (its end-to-end test runs in `tests`).
-EXAMPLE_DEPS = ["rich==15.0.0", "matplotlib==3.11.2"]
+# TensorBoard is optional: train.py writes its event files only when it is installed.
+EXAMPLE_DEPS = ["rich==15.0.0", "matplotlib==3.11.2", "tomli; python_version < '3.11'"]
 LINT_DEPS = ["ruff==0.17.6"]
 # The compat session: Lightning driving our FSDP through torch's names (tests/compat).
 COMPAT_DEPS = ["lightning==2.6.6"]
@@ -101,6 +113,8 @@ def typecheck(session: nox.Session) -> None:
         str(examples / "data" / "make_corpus.py"),
         env={"MYPYPATH": f"{examples}:{examples / 'data'}"},
     )  # fmt: skip
+    minimal = sorted(str(p) for p in (examples / "minimal").glob("*.py"))
+    session.run("mypy", "--strict", *minimal, env={"MYPYPATH": str(examples / "minimal")})
 
 
 @nox.session
@@ -127,9 +141,14 @@ def build(session: nox.Session) -> None:
         session.run("python", "-m", "venv", str(venv), external=True)
         py = str(venv / "bin" / "python")
         session.run(py, "-m", "pip", "install", "-q", *TORCH, external=True)
-        # --no-index: our packages and their siblings come from dist/ alone. PyPI holds an
-        # unrelated "ckpt" with a higher version that an index lookup would prefer.
-        (wheel,) = dist.glob(f"{name}-*.whl")
+        # --no-index: our packages and their siblings come from dist/ alone (should a
+        # shardkit-* name ever appear on PyPI, it is not ours); their third-party
+        # dependencies (safetensors) from the index first. Wheel names spell the
+        # distribution with underscores.
+        (wheel,) = dist.glob(f"shardkit_{name}-*.whl")
+        others = _third_party_requirements(dist)
+        if others:
+            session.run(py, "-m", "pip", "install", "-q", *others, external=True)
         session.run(
             py,
             "-m",
@@ -149,6 +168,22 @@ def build(session: nox.Session) -> None:
             wheel.name.split("-")[1],
             external=True,
         )
+
+
+def _third_party_requirements(dist: Path) -> list[str]:
+    """The requirements of our wheels in ``dist`` that are neither torch nor ours nor
+    an extra's (read from each wheel's METADATA)."""
+    found: set[str] = set()
+    for wheel in dist.glob("*.whl"):
+        with zipfile.ZipFile(wheel) as archive:
+            meta = next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))
+            text = archive.read(meta).decode()
+        for line in text.splitlines():
+            if line.startswith("Requires-Dist:"):
+                req = line.split(":", 1)[1].strip()
+                if "extra ==" not in req and not req.startswith(("torch", "shardkit-")):
+                    found.add(req)
+    return sorted(found)
 
 
 def _check_versions(session: nox.Session) -> None:
@@ -193,7 +228,7 @@ def train(session: nox.Session) -> None:
             interrupt_timeout=None,  # let the ranks finish their step and checkpoint
         )  # fmt: skip
     except nox.command.CommandFailed as exc:
-        if exc.return_code == 130:  # stopped by a signal after a checkpoint (SIGTERM too)
+        if exc.return_code in (130, 143):  # stopped by SIGINT or SIGTERM after a checkpoint
             raise KeyboardInterrupt from None  # nox: "Session train interrupted."
         raise
 

@@ -4,15 +4,17 @@
     nox -s train                  # the same, with the stack installed
     torchrun --nnodes 2 --nproc-per-node 8 ... examples/train.py   # one rank per process
 
-Parse the config, check it, then either start the ranks (--nproc-per-node, see
-tinygpt/launch.py) or be one: build, train, report, and whatever happens, leave the
-process group. The pieces live in ``examples/tinygpt/``; ``--help`` lists every option.
+Parse the config (--config FILE, then the command line), check it, then either start
+the ranks (--nproc-per-node, see tinygpt/launch.py) or be one: settle the run folder,
+build, train, report, and whatever happens, leave the process group. The pieces live
+in ``examples/tinygpt/``; ``--help`` lists every option.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Set
 from pathlib import Path
 
 import torch.distributed
@@ -21,16 +23,17 @@ from tinygpt.config import TrainConfig, parse_command_line
 from tinygpt.distributed import destroy_distributed, init_distributed, is_peer_failure
 from tinygpt.launch import EXIT_INTERRUPTED, EXIT_USAGE, launch, strip_option
 from tinygpt.parallel import WrapperNotAvailableError, check_available
-from tinygpt.trainer import Trainer
+from tinygpt.trainer import Trainer, settle
 
 import ckpt
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the program; returns the process exit code (0, 2 usage or configuration
-    error, 130 interrupted, 1 anything else)."""
+    error, 130 or 143 stopped by SIGINT or SIGTERM, 1 anything else)."""
     args = sys.argv[1:] if argv is None else list(argv)
-    cfg, nproc = parse_command_line(args)
+    command = parse_command_line(args)
+    cfg, nproc = command.config, command.nproc
     if "RANK" not in os.environ:  # not started by a launcher: check before spawning
         try:
             check_available(cfg)
@@ -40,17 +43,19 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_USAGE
         if nproc is not None:
             return launch(nproc, Path(__file__), strip_option(args, "--nproc-per-node"))
-    return run_rank(cfg)
+    return run_rank(cfg, command.explicit)
 
 
-def run_rank(cfg: TrainConfig) -> int:
-    """Be one rank of the job: train, report, sample; the exit code of this rank."""
+def run_rank(cfg: TrainConfig, explicit: Set[str] = frozenset()) -> int:
+    """Be one rank of the job: train, report, sample; the exit code of this rank.
+    ``explicit``: the options this invocation sets itself (a resume changes those)."""
     rank = "?"
     trainer: Trainer | None = None
     try:
         check_available(cfg)  # before any process exists to wait for us
         env = init_distributed(cfg)
         rank = str(env.rank)
+        cfg = settle(cfg, explicit, env)  # [Note: resuming with changed options]
         trainer = Trainer(cfg, env)
         if not trainer.start():
             return 0  # a finished run: start() said so
@@ -59,7 +64,7 @@ def run_rank(cfg: TrainConfig) -> int:
         if result.interrupted:
             # Wait for rank 0's report: torchrun stops the others when one exits non-zero.
             torch.distributed.barrier()
-            return EXIT_INTERRUPTED
+            return 128 + result.stop_signal if result.stop_signal else EXIT_INTERRUPTED
         trainer.sample()
         return 0
     except (WrapperNotAvailableError, ckpt.CheckpointError, ValueError) as exc:

@@ -18,6 +18,7 @@ run concurrently, and the model is tiny.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -466,3 +467,264 @@ def test_shipped_corpus_is_the_generated_one() -> None:
     shipped = (EXAMPLES / "data" / "corpus.txt").read_text(encoding="ascii")
     assert make_corpus.generate() == shipped
     assert 200_000 < len(shipped) < 500_000
+
+
+# ---- config files, resuming with changes, SIGTERM, the run folder's files ----------
+
+TINY_TOML = """\
+[model]
+n_layer = 2
+n_head = 2
+d_model = 32
+
+[data_and_optimization]
+steps = 6
+batch_size = 8
+grad_accum = 2
+seq_len = 32
+warmup_steps = 2
+
+[reporting]
+log_every = 2
+eval_windows = 8
+progress = false
+
+[sampling]
+sample_lines = 1
+sample_chars = 16
+"""
+STAMP = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d "  # a timestamped line's start, off a terminal
+
+
+def _jsonl(path: Path) -> list[dict[str, object]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_train_config_file_resume_with_changes_and_run_files(tmp_path: Path) -> None:
+    import tomllib
+
+    import ckpt
+
+    (tmp_path / "tiny.toml").write_text(TINY_TOML)
+    # The file's log_every (2) is overridden by the command line's.
+    rc, out = Launch(2, ["--config", "tiny.toml", "--log-every", "3"], tmp_path).finish()
+    assert rc == 0, out
+    (run,) = (tmp_path / "runs").iterdir()  # named after what differs from the defaults
+    assert run.name.startswith("fsdp-n_layer=2-n_head=2-d_model=32"), run.name
+    saved = tomllib.loads((run / "config.toml").read_text())
+    assert saved["model"] == {"n_layer": 2, "n_head": 2, "d_model": 32, "dropout": 0.0}
+    assert saved["reporting"]["log_every"] == 3 and saved["data_and_optimization"]["lr"] == 3e-3
+    assert "resume" not in saved["checkpoints"] and "inject_rank" not in str(saved)
+    # Timestamped progress lines (the output is a pipe), with FLOP/s and memory per rank.
+    line = re.search(rf"^{STAMP}step +3/6 \| loss .*$", out, re.M)
+    assert line is not None, out
+    assert re.search(r"tok/s [\d.]+ [MGT]FLOP/s \| rank0: .* rss [\d.]+ MiB \| rank1: ", line[0])
+    # The run folder's files.
+    metrics = _jsonl(run / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
+    assert all(m["flop_per_s"] > 0 for m in metrics)
+    rss = metrics[2]["rss_bytes"]
+    assert isinstance(rss, list) and len(rss) == 2 and min(rss) > 50 << 20, rss
+    (val,) = _jsonl(run / "val.jsonl")
+    assert val["step"] == 6 and 0 < float(str(val["val_loss"])) < 10
+    samples = (run / "samples.txt").read_text()
+    assert (
+        samples.startswith("=== step 6, prompt 'Once upon a time'")
+        and "--- sample 1 ---" in samples
+    )
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 6 and summary["val_loss"] == val["val_loss"]
+    assert summary["flop_per_s"] > 0 and len(summary["memory_per_rank"]) == 2
+    # Each checkpoint holds the configuration too.
+    head = {"trainer": ""}
+    ckpt.load(head, run / "checkpoints" / "step_00000006")
+    assert json.loads(head["trainer"])["config"]["n_layer"] == 2
+
+    # Resume with two options changed: the same folder continues, saying what changed;
+    # no folder named after the changed option appears. The file, given again, sets
+    # log_every back to its 2: a change too (what is not given comes from the run).
+    args = ["--config", "tiny.toml", "--resume", "--lr", "0.001", "--steps", "8"]
+    rc, out = Launch(2, args, tmp_path).finish()
+    assert rc == 0, out
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == [run.name]
+    assert re.search(
+        rf"^{STAMP}resuming runs/{re.escape(run.name)} with options changed: "
+        r"log_every 3 -> 2, lr 0.003 -> 0.001, steps 6 -> 8$",
+        out,
+        re.M,
+    ), out
+    assert "at step 6" in out, out
+    lrs = {m["step"]: m["lr"] for m in _jsonl(run / "metrics.jsonl")}
+    assert sorted(lrs) == list(range(1, 9))
+    # Past the schedule's end (the 6 steps it started with) the lr is a tenth of --lr:
+    # of the new one.
+    assert lrs[7] == lrs[8] == pytest.approx(1e-4), lrs
+    resumed = tomllib.loads((run / "config.toml").read_text())
+    assert resumed["data_and_optimization"]["lr"] == 1e-3
+    assert resumed["reporting"]["log_every"] == 2
+    assert resumed["model"]["n_layer"] == 2 and resumed["sampling"]["sample_chars"] == 16
+    assert len(_jsonl(run / "val.jsonl")) == 2
+    assert (run / "samples.txt").read_text().count("=== step ") == 2
+    # Without the file: everything not given comes from the run's config.toml (the
+    # default model, 4 layers wide 128, would not load its checkpoint).
+    rc, out = Launch(1, ["--out-dir", str(run), "--resume", "--steps", "9"], tmp_path).finish()
+    assert rc == 0, out
+    assert "with options changed: steps 8 -> 9" in out and "at step 8" in out, out
+    assert "GPT 2 layers x 32 wide" in out, out
+
+
+@pytest.mark.slow
+def test_train_sigterm_saves_a_checkpoint_and_exits_143(tmp_path: Path) -> None:
+    # SIGTERM to the launcher, as a scheduler preempting the job sends it: the ranks
+    # stop after the same step, checkpoint, and the launch exits with 128 + 15.
+    args = [*TINY, "--steps", "500", "--log-every", "1", "--checkpoint-every", "400",
+            "--out-dir", "term"]  # fmt: skip
+    job = Launch(2, args, tmp_path)
+    job.wait_for_line(r"step +3/500 ")
+    os.kill(job.proc.pid, signal.SIGTERM)
+    rc, out = job.finish_after_wait()
+    assert rc == 143, out
+    one_voice(out)
+    stopped = re.search(r"stopped after step (\d+) \(SIGTERM received\): checkpoint (\S+);", out)
+    assert stopped is not None, out
+    step = int(stopped[1])
+    assert 3 <= step < 500
+    checkpoint = tmp_path / "term" / "checkpoints" / f"step_{step:08d}"
+    assert Path(stopped[2]) == checkpoint.absolute()
+    import ckpt
+
+    ckpt.verify(checkpoint)  # committed, every file as its manifest says
+    assert max(m["step"] for m in _jsonl(tmp_path / "term" / "metrics.jsonl")) == step
+
+
+def test_train_help_is_grouped_without_test_hooks() -> None:
+    from tinygpt.config import build_parser
+
+    text = build_parser().format_help()
+    titles = re.findall(r"^(\w[\w ,]*):$", text, re.M)
+    assert titles[1:] == [
+        "launching", "parallelism", "model", "data and optimization", "checkpoints",
+        "reporting", "sampling",
+    ], titles  # fmt: skip
+    assert "inject" not in text and "--config FILE" in text and "143" in text
+    # Hidden, still accepted: the tests above use them.
+    assert parse_config(["--inject-rank", "1"]).inject_rank == 1
+
+
+def test_train_config_file_is_checked_and_round_trips(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tinygpt.config_file import read_config_file, write_config_file
+
+    good = tmp_path / "run.toml"
+    good.write_text('lr = 0.01\n[anything]\nmixed-precision = "bf16"\nsteps = 7\n')
+    cfg = parse_config(["--config", str(good), "--steps", "9"])
+    assert (cfg.lr, cfg.mixed_precision, cfg.steps) == (0.01, "bf16", 9)  # command line wins
+    for text, message in (
+        ("lr = 'fast'\n", "lr = 'fast': write a number"),
+        ("learning_rate = 0.1\n", "unknown option 'learning_rate'"),
+        ("wrapper = 'fsdp2'\n", "wrapper = 'fsdp2': choose one of ['fsdp', 'ddp-zero', 'ddp']"),
+        ("steps = [\n", "not valid TOML"),
+    ):
+        bad = tmp_path / "bad.toml"
+        bad.write_text(text)
+        with pytest.raises(SystemExit) as exit_:
+            parse_config(["--config", str(bad)])
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        assert err.count("error:") == 1 and message in err and str(bad) in err, err
+    with pytest.raises(SystemExit):
+        parse_config(["--config", str(tmp_path / "missing.toml")])
+    assert "missing.toml: no such file" in capsys.readouterr().err
+    # What a run writes reads back as the same configuration.
+    cfg = parse_config(["--wrapper", "ddp-zero", "--d-model", "64", "--out-dir", "x"])
+    write_config_file(cfg, tmp_path / "config.toml", "a test")
+    again = TrainConfig(**read_config_file(tmp_path / "config.toml"))
+    assert again == dataclasses.replace(cfg, out_dir=Path("x").absolute())
+
+
+def test_resume_finds_the_run_the_changed_options_continue(tmp_path: Path) -> None:
+    from tinygpt.config_file import write_config_file
+    from tinygpt.run_folder import RunFolder, find_run_folder
+
+    import ckpt
+
+    def run(*args: str) -> None:
+        """A run folder as train.py leaves it: config.toml and a committed checkpoint."""
+        name = parse_config(list(args)).run_name()
+        cfg = parse_config([*args, "--out-dir", str(tmp_path / "runs" / name)])
+        cfg.run_dir.mkdir(parents=True)
+        write_config_file(cfg, cfg.run_dir / "config.toml", "a test")
+        ckpt.CheckpointManager(cfg.checkpoints).save(1, {"x": torch.zeros(1)})
+
+    run()  # runs/fsdp
+    run("--wrapper", "ddp-zero")  # runs/ddp-zero
+    run("--mixed-precision", "bf16")  # runs/fsdp-bf16
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(tmp_path)
+
+        def find(*args: str) -> RunFolder:
+            command = parse_command_line([*args])
+            return find_run_folder(command.config, command.explicit)
+
+        plain = find("--resume", "--lr", "0.001")
+        assert plain.path.name == "fsdp" and plain.found_by_search
+        zero = find("--resume", "--wrapper", "ddp-zero", "--lr", "0.001")
+        assert zero.path.name == "ddp-zero"
+        named = find("--resume", "--mixed-precision", "bf16")
+        assert named.path.name == "fsdp-bf16" and not named.found_by_search
+        tie = find("--resume", "--wrapper", "ddp", "--lr", "0.001")  # fsdp or ddp-zero?
+        assert "these runs could be the one meant" in str(tie.error)
+        # A model option: runs/fsdp is the run it changes (the load then names the
+        # mismatch: "a checkpoint of another model (d_model: ...)").
+        wider = find("--resume", "--d-model", "64")
+        assert wider.path.name == "fsdp" and wider.found_by_search
+        (tmp_path / "elsewhere").mkdir()
+        mp.chdir(tmp_path / "elsewhere")  # no runs/ here: the named folder, for the error
+        nothing = find("--resume", "--lr", "0.001")
+        assert nothing.path == Path("runs/fsdp-lr=0.001") and nothing.error is None
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == [
+        "ddp-zero", "fsdp", "fsdp-bf16",
+    ]  # fmt: skip
+
+
+def test_reporter_writes_tensorboard_when_installed(tmp_path: Path) -> None:
+    # TensorBoard is optional; the reporter's use of it is tested with a stand-in
+    # writer (torch.utils.tensorboard's API), so this runs whether or not it is installed.
+    from tinygpt.report import Reporter
+
+    calls: list[tuple[object, ...]] = []
+
+    class FakeWriter:
+        def __init__(self, log_dir: Path) -> None:
+            calls.append(("open", log_dir))
+
+        def add_scalar(self, tag: str, value: float, step: int) -> None:
+            calls.append(("scalar", tag, value, step))
+
+        def add_text(self, tag: str, text: str, step: int) -> None:
+            calls.append(("text", tag, text, step))
+
+        def close(self) -> None:
+            calls.append(("close",))
+
+    reporter = Reporter(True, tmp_path / "run", False, writer_factory=FakeWriter)
+    assert not (tmp_path / "run").exists()  # nothing before open()
+    reporter.open()
+    reporter.append_metrics({"step": 1, "loss": 5.5, "lr": 1e-3, "tokens_per_s": 10.0,
+                             "flop_per_s": 2e9})  # fmt: skip
+    reporter.write_eval(1, 5.25, 0)
+    reporter.write_samples(1, "Once", ["Once upon"])
+    reporter.close()
+    assert calls == [
+        ("open", tmp_path / "run" / "tensorboard"),
+        ("scalar", "train/loss", 5.5, 1),
+        ("scalar", "train/lr", 1e-3, 1),
+        ("scalar", "train/tokens_per_s", 10.0, 1),
+        ("scalar", "train/flop_per_s", 2e9, 1),
+        ("scalar", "val/loss", 5.25, 1),
+        ("text", "samples/1", "Once upon", 1),
+        ("close",),
+    ]
+    assert _jsonl(tmp_path / "run" / "val.jsonl")[0]["val_loss"] == 5.25

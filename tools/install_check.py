@@ -3,7 +3,9 @@
 ``python install_check.py NAME VERSION`` runs inside a venv that holds only NAME's
 wheel and its declared dependencies: it imports NAME, checks that the installed
 version is the one just built, and fails if importing it pulled in one of our
-packages that NAME does not declare.
+packages that NAME does not declare. NAME is the import name (``zero_optim``); the
+distribution is ``DISTRIBUTIONS[NAME]`` (``shardkit-zero-optim``): PyPI holds
+unrelated projects under some of the bare names (``ckpt``).
 
 ``python install_check.py --pins ROOT`` checks that every sibling pin in
 ``packages/*/pyproject.toml`` admits the sibling's current version.
@@ -20,6 +22,14 @@ from pathlib import Path
 import tomllib
 
 OURS = ("flatparam", "zero_optim", "fsdp", "ckpt")
+# Import name -> distribution name (pyproject's [project] name), as pip spells it.
+DISTRIBUTIONS = {name: "shardkit-" + name.replace("_", "-") for name in OURS}
+_IMPORT_NAMES = {dist: name for name, dist in DISTRIBUTIONS.items()}
+
+
+def _canonical(dist: str) -> str:
+    """PEP 503's normalised form: ``Shardkit_Zero.Optim`` -> ``shardkit-zero-optim``."""
+    return re.sub(r"[-_.]+", "-", dist).lower()
 
 
 def check_import(name: str, version: str) -> None:
@@ -28,8 +38,11 @@ def check_import(name: str, version: str) -> None:
         raise SystemExit(
             f"imported {name} {module.__version__} from {module.__file__}, not {version}"
         )
-    requires = importlib.metadata.requires(name) or []
-    declared = {re.split(r"[<>=!~ ;\[]", r, maxsplit=1)[0].replace("-", "_") for r in requires}
+    requires = importlib.metadata.requires(DISTRIBUTIONS[name]) or []
+    declared = {
+        _IMPORT_NAMES.get(_canonical(re.split(r"[<>=!~ ;\[]", r, maxsplit=1)[0]), "")
+        for r in requires
+    }
     allowed = (declared | {name}) & set(OURS)
     stray = [p for p in OURS if p in sys.modules and p not in allowed]
     if stray:
@@ -37,8 +50,8 @@ def check_import(name: str, version: str) -> None:
     installed = []
     for p in OURS:
         try:
-            importlib.metadata.version(p)
-            installed.append(p)
+            importlib.metadata.version(DISTRIBUTIONS[p])
+            installed.append(DISTRIBUTIONS[p])
         except importlib.metadata.PackageNotFoundError:
             pass
     # Declared dependencies are only the direct ones; transitive siblings are fine.
@@ -57,11 +70,23 @@ def check_pins(root: Path) -> None:
         versions[p] = match.group(1)
     for p in OURS:
         meta = tomllib.loads((root / "packages" / p / "pyproject.toml").read_text())
+        if meta["project"]["name"] != DISTRIBUTIONS[p]:
+            raise SystemExit(
+                f"packages/{p}/pyproject.toml names the distribution "
+                f"{meta['project']['name']!r}; it must be {DISTRIBUTIONS[p]!r}"
+            )
         for dep in meta["project"]["dependencies"]:
             req = Requirement(dep)
-            if req.name in versions and not req.specifier.contains(versions[req.name]):
+            sibling = _IMPORT_NAMES.get(_canonical(req.name))
+            if sibling is None and _canonical(req.name).replace("-", "_") in OURS:
                 raise SystemExit(
-                    f"packages/{p} pins {dep}, but {req.name} is at {versions[req.name]}"
+                    f"packages/{p} depends on {req.name!r}, the bare name of one of ours: "
+                    f"write {DISTRIBUTIONS[_canonical(req.name).replace('-', '_')]!r} (PyPI's "
+                    f"{req.name!r}, if any, is another project)"
+                )
+            if sibling is not None and not req.specifier.contains(versions[sibling]):
+                raise SystemExit(
+                    f"packages/{p} pins {dep}, but {sibling} is at {versions[sibling]}"
                 )
     print(f"sibling pins are consistent: {versions}")
 

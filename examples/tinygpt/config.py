@@ -14,12 +14,14 @@ import dataclasses
 import inspect
 import math
 import os
+import re
 import sys
+import textwrap
 import types
 import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 Wrapper = Literal["fsdp", "fully_shard", "ddp-zero", "ddp"]
 Impl = Literal["ours", "torch"]
@@ -305,6 +307,11 @@ _NAMED_FLAGS: dict[str, typing.Callable[[Any], str]] = {
 }
 
 
+def naming_fields() -> list[str]:
+    """The options a default run folder's name is made of (see run_name)."""
+    return ["wrapper", *_NAMED_FLAGS]
+
+
 # ---- the command line -------------------------------------------------------------
 
 HELP_EPILOG = """\
@@ -313,8 +320,12 @@ Ranks: --nproc-per-node N starts N local ranks (torch's elastic launcher, as
 of the ranks torchrun started (torchrun --nnodes ... for several machines):
   python examples/train.py --nproc-per-node 2 --wrapper ddp
   nox -s train -- --nproc-per-node 4 --steps 100
-Exit status: 0 done, 2 a usage or configuration error, 130 stopped by Ctrl-C (after
-a checkpoint), 1 anything else.
+Config file: --config run.toml holds options under their names (lr = 0.001); the
+command line overrides it. Every run writes its resolved options to RUN/config.toml.
+Resume: --resume continues the run these options name; options given with it change
+the run from there on (--resume --lr 0.001 continues runs/fsdp with a new lr).
+Exit status: 0 done, 2 a usage or configuration error, 130 stopped by Ctrl-C, 143 by
+SIGTERM (both after a checkpoint), 1 anything else.
 """
 
 NEWEST = "newest"  # --resume without a value
@@ -343,6 +354,30 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
+_GROUP_COMMENT = re.compile(r"^\s*#\s*-{2,}\s*(.+?)\s*-{2,}\s*$")
+
+
+def field_groups(cls: type) -> dict[str, list[str]]:
+    """Group title -> field names, from the ``# ---- title ----`` comments between a
+    dataclass's fields (so --help and config.toml follow the class's own sections)."""
+    lines, first = inspect.getsourcelines(cls)
+    titles: list[tuple[int, str]] = []
+    for offset, text in enumerate(lines):
+        match = _GROUP_COMMENT.match(text)
+        if match is not None:
+            titles.append((first + offset, match.group(1)))
+    groups: dict[str, list[str]] = {}
+    tree = ast.parse(textwrap.dedent("".join(lines)))
+    body = tree.body[0]
+    assert isinstance(body, ast.ClassDef)
+    for node in body.body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            line = first + node.lineno - 1
+            title = next((t for at, t in reversed(titles) if at < line), "options")
+            groups.setdefault(title, []).append(node.target.id)
+    return groups
+
+
 def _unwrap_optional(tp: Any) -> Any:
     """``X | None`` -> ``X``; anything else unchanged."""
     if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
@@ -366,54 +401,104 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n({self.prog} --help lists the options)\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """One option per TrainConfig field, typed and documented from the field, and
-    --nproc-per-node for the launcher."""
+# The group whose options are hidden from --help (still accepted): test hooks.
+_HIDDEN_GROUP = "fault injection, for tests"
+
+
+def build_parser(*, given_only: bool = False) -> argparse.ArgumentParser:
+    """One option per TrainConfig field, typed and documented from the field and
+    grouped as the class groups them, plus --config and --nproc-per-node.
+
+    ``given_only``: every default is SUPPRESS, so a parse holds only the options the
+    command line gives (which options a resume changes)."""
     parser = _Parser(
         prog="train.py",
+        usage="%(prog)s [--nproc-per-node N] [--config FILE] [OPTION ...]",
         description="Train a small byte-level GPT on the bundled corpus with our "
         "sharded data-parallel stack.",
         epilog=HELP_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,  # launch.strip_option finds --nproc-per-node by its full name
+        argument_default=argparse.SUPPRESS if given_only else None,
     )
-    parser.add_argument(
+
+    def default(value: Any) -> Any:
+        return argparse.SUPPRESS if given_only else value
+
+    run = parser.add_argument_group("launching")
+    run.add_argument(
         "--nproc-per-node",
         type=_positive_int,
-        default=None,
+        default=default(None),
         metavar="N",
         help="start N ranks on this machine and wait for them (not under torchrun, "
         "which has its own --nproc-per-node)",
     )
+    run.add_argument(
+        "--config",
+        type=Path,
+        default=default(None),
+        metavar="FILE",
+        help='a TOML file of options (lr = 0.001, mixed_precision = "bf16", ...; a run '
+        "folder's config.toml works); options on the command line override it",
+    )
     hints = typing.get_type_hints(TrainConfig)
     docs = field_docs(TrainConfig)
-    for field in dataclasses.fields(TrainConfig):
-        tp = _unwrap_optional(hints[field.name])
-        default = field.default
-        help_text = f"{docs.get(field.name, '')} (default: {default})"
-        flag = f"--{_flag(field.name)}"
-        if field.name == "resume":
-            parser.add_argument(
-                flag, nargs="?", const=NEWEST, default=None, metavar="STEP|PATH", help=help_text
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    for title, names in field_groups(TrainConfig).items():
+        hidden = title == _HIDDEN_GROUP
+        group = parser.add_argument_group(None if hidden else title)
+        for name in names:
+            field = fields[name]
+            tp = _unwrap_optional(hints[name])
+            help_text = (
+                argparse.SUPPRESS if hidden else f"{docs.get(name, '')} (default: {field.default})"
             )
-        elif tp is bool:
-            parser.add_argument(
-                flag, action=argparse.BooleanOptionalAction, default=default, help=help_text
-            )
-        elif typing.get_origin(tp) is Literal:
-            choices = typing.get_args(tp)
-            parser.add_argument(flag, choices=choices, default=default, help=help_text)
-        else:
-            parser.add_argument(flag, type=tp, default=default, help=help_text)
+            flag = f"--{_flag(name)}"
+            if name == "resume":
+                group.add_argument(
+                    flag, nargs="?", const=NEWEST, default=default(None), metavar="STEP|PATH",
+                    help=help_text,
+                )  # fmt: skip
+            elif tp is bool:
+                group.add_argument(
+                    flag, action=argparse.BooleanOptionalAction, default=default(field.default),
+                    help=help_text,
+                )  # fmt: skip
+            elif typing.get_origin(tp) is Literal:
+                choices = typing.get_args(tp)
+                group.add_argument(
+                    flag, choices=choices, default=default(field.default), help=help_text
+                )
+            else:
+                group.add_argument(flag, type=tp, default=default(field.default), help=help_text)
     return parser
 
 
-def parse_command_line(argv: list[str] | None = None) -> tuple[TrainConfig, int | None]:
-    """The command line as a checked TrainConfig and --nproc-per-node (None: not
-    given); argparse-style exit (status 2, usage on stderr) on errors.
+class CommandLine(NamedTuple):
+    """What the command line asks for."""
+
+    config: TrainConfig
+    nproc: int | None  # --nproc-per-node; None: not given
+    given: frozenset[str]  # the TrainConfig fields the command line sets itself
+    config_file: Path | None  # --config
+    from_file: frozenset[str]  # the fields --config's file sets
+
+    @property
+    def explicit(self) -> frozenset[str]:
+        """What this invocation sets itself: the command line's and the file's fields."""
+        return self.given | self.from_file
+
+
+def parse_command_line(argv: list[str] | None = None) -> CommandLine:
+    """The command line (over --config's file, over the defaults) as a checked
+    TrainConfig, with --nproc-per-node and which options it gives; argparse-style exit
+    (status 2, one line on stderr) on errors.
 
     Under a launcher every rank parses the same arguments; only rank 0 speaks, so help
     and usage errors are printed once (all ranks still exit with the same status)."""
+    from .config_file import ConfigFileError, read_config_file
+
     parser = build_parser()
     args = sys.argv[1:] if argv is None else list(argv)
     quiet = os.environ.get("RANK", "0") != "0"
@@ -421,19 +506,31 @@ def parse_command_line(argv: list[str] | None = None) -> tuple[TrainConfig, int 
         if quiet:
             stack.enter_context(contextlib.redirect_stdout(devnull))
             stack.enter_context(contextlib.redirect_stderr(devnull))
+        given = vars(build_parser(given_only=True).parse_args(args))
+        config_file = given.get("config")
+        from_file: dict[str, Any] = {}
+        if config_file is not None:
+            try:
+                from_file = read_config_file(config_file)
+            except ConfigFileError as exc:
+                parser.error(str(exc))
+            parser.set_defaults(**from_file)
         namespace = vars(parser.parse_args(args))
         nproc = namespace.pop("nproc_per_node")
+        namespace.pop("config")
         if nproc is not None and "RANK" in os.environ:
             parser.error(
                 "--nproc-per-node: this process is already one rank of a launched job "
                 "(RANK is set); give the number of ranks to torchrun instead"
             )
         try:
-            return TrainConfig(**namespace), nproc
+            cfg = TrainConfig(**namespace)
         except ValueError as exc:
             parser.error(str(exc))
+    fields = frozenset(given) - {"nproc_per_node", "config"}
+    return CommandLine(cfg, nproc, fields, config_file, frozenset(from_file))
 
 
 def parse_config(argv: list[str] | None = None) -> TrainConfig:
     """The command line as a checked TrainConfig (see parse_command_line)."""
-    return parse_command_line(argv)[0]
+    return parse_command_line(argv).config

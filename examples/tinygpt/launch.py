@@ -7,9 +7,9 @@ Under torchrun, any rank that exits non-zero becomes a ~35-line ``ChildFailedErr
 dump after the message the rank already printed, and a Ctrl-C becomes a
 ``SignalException`` traceback, even when the ranks stopped cleanly with a checkpoint.
 Here the ranks' exit codes are read instead: 2 (a usage or configuration error, which
-rank 0 has already explained) ends the launch with 2 and nothing more; 130 (stopped by
-Ctrl-C or SIGTERM, after a checkpoint) with 130, the shell's code for an interruption;
-anything else with one line per failed rank and status 1. The agent's own log lines
+rank 0 has already explained) ends the launch with 2 and nothing more; 130 or 143
+(stopped by Ctrl-C or SIGTERM, after a checkpoint) with that status, the shell's code
+for the signal; anything else with one line per failed rank and status 1. The agent's own log lines
 are silenced for the same reason.
 """
 
@@ -28,7 +28,8 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 EXIT_USAGE = 2  # argparse's status for a usage error; ours for any configuration error
-EXIT_INTERRUPTED = 130  # the shell's status for "stopped by Ctrl-C"
+EXIT_INTERRUPTED = 130  # the shell's status for "stopped by Ctrl-C" (128 + SIGINT)
+EXIT_TERMINATED = 143  # 128 + SIGTERM: what a scheduler's preemption ends with
 
 
 def strip_option(args: Sequence[str], flag: str) -> list[str]:
@@ -79,7 +80,7 @@ def launch(nproc: int, script: Path, args: Sequence[str]) -> int:
         elastic_launch(config, sys.executable)("-u", str(script), *args)
     except ChildFailedError as exc:
         _, first = exc.get_first_failure()
-        if first.exitcode in (EXIT_USAGE, EXIT_INTERRUPTED):
+        if first.exitcode in (EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED):
             return first.exitcode  # explained by rank 0 already
         for rank, failure in sorted(exc.failures.items()):
             print(f"train.py: rank {rank} {_describe(failure.exitcode)}", file=sys.stderr)
@@ -87,7 +88,5 @@ def launch(nproc: int, script: Path, args: Sequence[str]) -> int:
     except SignalException as exc:
         # Ctrl-C or SIGTERM reached this process: the agent passed the signal on to the
         # ranks and waited for them to checkpoint and exit.
-        if exc.sigval in (signal.SIGINT, signal.SIGTERM):
-            return EXIT_INTERRUPTED
-        return 128 + int(exc.sigval)
+        return 128 + int(exc.sigval)  # 130 for SIGINT, 143 for SIGTERM
     return 0

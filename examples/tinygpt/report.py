@@ -1,8 +1,16 @@
 """What the run shows the user: bytes per rank, the progress bar and log lines, the
-metrics file, the summary table and the plot.
+files of the run folder, the summary table and the plot.
 
 Only rank 0 prints or writes files; the one collective here (``gather_memory``) is
 called by every rank at the same steps.
+
+The run folder holds, besides checkpoints: ``config.toml`` (the resolved options),
+``metrics.jsonl`` (one record per step: loss, lr, tokens/s, FLOP/s, and memory per
+rank at log steps), ``val.jsonl`` (the validation loss of each invocation that
+reached the end), ``samples.txt`` (the samples, under the step they were drawn at),
+``summary.json`` (the summary table's figures) and ``train.png``; with TensorBoard
+installed, ``tensorboard/`` too (``tensorboard --logdir runs``). Lines printed off a
+terminal (a log file, a scheduler's output) start with the time.
 """
 
 from __future__ import annotations
@@ -10,9 +18,11 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import os
 import resource
 import sys
-from collections.abc import Iterable, Iterator, Sequence
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,11 +68,13 @@ def local_bytes(tensors: Iterable[torch.Tensor]) -> int:
 
 @dataclass(frozen=True)
 class MemoryBytes:
-    """Bytes one rank holds for training state (its local tensors only)."""
+    """Bytes one rank holds for training state (its local tensors only), and what the
+    process holds in all: device memory allocated on CUDA, resident memory on CPU."""
 
     params: int
     grads: int
     optim: int
+    resident: int = 0
 
     @property
     def total(self) -> int:
@@ -91,7 +103,9 @@ def optim_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 def gather_memory(mine: MemoryBytes, device: torch.device) -> list[MemoryBytes]:
     """Every rank's MemoryBytes (collective: all ranks call it at the same step)."""
-    local = torch.tensor([mine.params, mine.grads, mine.optim], dtype=torch.int64, device=device)
+    local = torch.tensor(
+        [mine.params, mine.grads, mine.optim, mine.resident], dtype=torch.int64, device=device
+    )
     parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, local)
     return [MemoryBytes(*(int(v) for v in part.tolist())) for part in parts]
@@ -100,6 +114,37 @@ def gather_memory(mine: MemoryBytes, device: torch.device) -> list[MemoryBytes]:
 def peak_rss_bytes() -> int:
     """This process's peak resident memory (Linux reports KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def resident_bytes(device: torch.device) -> int:
+    """What this rank holds now: CUDA memory allocated on a GPU, else the process's
+    resident set (``/proc/self/statm``; the peak where that file does not exist)."""
+    if device.type == "cuda":
+        return int(torch.cuda.memory_allocated(device))
+    try:
+        pages = int(open("/proc/self/statm").read().split()[1])  # noqa: SIM115
+    except (OSError, ValueError, IndexError):
+        return peak_rss_bytes()
+    return pages * os.sysconf("SC_PAGE_SIZE")
+
+
+def resident_kind(device: torch.device) -> str:
+    """How ``resident_bytes`` is labelled: ``cuda`` or ``rss``."""
+    return "cuda" if device.type == "cuda" else "rss"
+
+
+def flops_per_token(num_params: int, n_layer: int, d_model: int, seq_len: int) -> int:
+    """Training FLOPs per token: 6N for the matrix products forward and backward, plus
+    12·L·d·T for attention (the estimate of Kaplan et al. and PaLM's appendix)."""
+    return 6 * num_params + 12 * n_layer * d_model * seq_len
+
+
+def human_flops(n: float) -> str:
+    """2.5e9 -> '2.50 GFLOP/s'."""
+    for unit, scale in (("TFLOP/s", 1e12), ("GFLOP/s", 1e9), ("MFLOP/s", 1e6)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} FLOP/s"
 
 
 def human_bytes(n: float) -> str:
@@ -111,79 +156,125 @@ def human_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-def memory_line(per_rank: Sequence[MemoryBytes]) -> str:
-    """'params 1.2 MiB grads ... optim ...' for each rank (min..max beyond 4 ranks)."""
+def memory_line(per_rank: Sequence[MemoryBytes], kind: str = "rss") -> str:
+    """'params 1.2 MiB grads ... optim ... rss ...' for each rank (min..max beyond 4
+    ranks); ``kind`` labels the resident figure (``resident_kind``)."""
 
     def fmt(m: MemoryBytes) -> str:
         return (
             f"params {human_bytes(m.params)} grads {human_bytes(m.grads)} "
-            f"optim {human_bytes(m.optim)}"
+            f"optim {human_bytes(m.optim)} {kind} {human_bytes(m.resident)}"
         )
 
     if len(per_rank) == 1:
         return f"1 rank: {fmt(per_rank[0])}"
-    if len(set(per_rank)) == 1:
-        return f"each of {len(per_rank)} ranks: {fmt(per_rank[0])}"
     if len(per_rank) <= 4:
         return " | ".join(f"rank{r}: {fmt(m)}" for r, m in enumerate(per_rank))
-    low = min(per_rank, key=lambda m: m.total)
-    high = max(per_rank, key=lambda m: m.total)
+    low = min(per_rank, key=lambda m: m.resident)
+    high = max(per_rank, key=lambda m: m.resident)
     return f"per rank min: {fmt(low)} | max: {fmt(high)}"
+
+
+def timestamped(text: str, terminal: bool) -> str:
+    """``text`` with the local time in front, unless it goes to a terminal (where the
+    user watches it happen); a multi-line message is one entry, stamped once."""
+    if terminal:
+        return text
+    return f"{time.strftime('%Y-%m-%d %H:%M:%S')} {text}"
+
+
+WriterFactory = Callable[[Path], Any]  # log dir -> a SummaryWriter-like object
+
+
+def tensorboard_writer(log_dir: Path) -> Any:
+    """torch's SummaryWriter when TensorBoard is installed, else None (it is optional)."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # torch.utils.tensorboard needs the tensorboard package
+        return None
+    return SummaryWriter(log_dir=str(log_dir))
 
 
 # ---- rank 0's console -------------------------------------------------------------
 
 
 class Reporter:
-    """Rank 0's view of the run; on the other ranks every method does nothing."""
+    """Rank 0's view of the run; on the other ranks every method does nothing.
+
+    Nothing is written before ``open()``, which the trainer calls once it knows the
+    run goes ahead (a resume that fails leaves no folder behind)."""
 
     enabled: bool
     console: Console
+    out_dir: Path
     metrics_path: Path
     _progress: Progress | None
     _task: Any
+    _writer: Any  # TensorBoard's SummaryWriter, or None
+    _writer_factory: WriterFactory
 
-    def __init__(self, enabled: bool, out_dir: Path, show_progress: bool) -> None:
+    def __init__(
+        self,
+        enabled: bool,
+        out_dir: Path,
+        show_progress: bool,
+        writer_factory: WriterFactory = tensorboard_writer,
+    ) -> None:
         self.enabled = enabled
         self.console = Console(file=sys.stdout, highlight=False)
+        self.out_dir = out_dir
         self.metrics_path = out_dir / "metrics.jsonl"
         self._show_progress = show_progress and enabled and self.console.is_terminal
         self._progress = None
         self._task = None
-        if enabled:
-            out_dir.mkdir(parents=True, exist_ok=True)
+        self._writer = None
+        self._writer_factory = writer_factory
+
+    def open(self) -> None:
+        """Create the run folder and, when TensorBoard is installed, its event files."""
+        if self.enabled:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            self._writer = self._writer_factory(self.out_dir / "tensorboard")
+
+    def close(self) -> None:
+        """Flush and close the TensorBoard writer."""
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
 
     def print(self, message: str) -> None:
-        """A line above the progress bar (rank 0 only)."""
+        """A line above the progress bar (rank 0 only), timestamped off a terminal."""
         if self.enabled:
-            self.console.print(message, markup=False, soft_wrap=True)
+            text = timestamped(message, self.console.is_terminal)
+            self.console.print(text, markup=False, soft_wrap=True)
 
     @contextlib.contextmanager
-    def progress(self, total: int, completed: int) -> Iterator[None]:
-        """The progress bar for the duration of training (only on a terminal)."""
+    def progress(self, total: int, completed: int, what: str = "train") -> Iterator[None]:
+        """A progress bar for the duration of the block (only on a terminal)."""
         if not self._show_progress:
             yield
             return
         columns = (
-            TextColumn("[bold]train"),
+            TextColumn(f"[bold]{what}"),
             BarColumn(),
             MofNCompleteColumn(),
             TextColumn("{task.fields[status]}"),
             TimeElapsedColumn(),
             TimeRemainingColumn(),
         )
-        with Progress(*columns, console=self.console, transient=False) as bar:
+        with Progress(*columns, console=self.console, transient=what != "train") as bar:
             self._progress = bar
-            self._task = bar.add_task("train", total=total, completed=completed, status="")
+            self._task = bar.add_task(what, total=total, completed=completed, status="")
             try:
                 yield
             finally:
                 self._progress = None
 
-    def advance(self, record: dict[str, Any]) -> None:
-        """Move the bar one step and show the latest loss."""
+    def advance(self, record: dict[str, Any] | None = None, status: str = "") -> None:
+        """Move the bar one unit and show the latest loss (or ``status``)."""
         if self._progress is not None:
-            status = f"loss {record['loss']:.3f} {record['tokens_per_s'] / 1e3:.1f}k tok/s"
+            if record is not None:
+                status = f"loss {record['loss']:.3f} {record['tokens_per_s'] / 1e3:.1f}k tok/s"
             self._progress.update(self._task, advance=1, status=status)
 
     def write_history(self, history: Sequence[dict[str, Any]]) -> None:
@@ -194,10 +285,46 @@ class Reporter:
                 f.writelines(json.dumps(r) + "\n" for r in history)
 
     def append_metrics(self, record: dict[str, Any]) -> None:
-        """One line of metrics.jsonl per step (floats round-trip exactly)."""
-        if self.enabled:
-            with self.metrics_path.open("a") as f:
-                f.write(json.dumps(record) + "\n")
+        """One line of metrics.jsonl per step (floats round-trip exactly), and the
+        step's scalars in TensorBoard."""
+        if not self.enabled:
+            return
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self._writer is not None:
+            for key in ("loss", "lr", "grad_norm", "tokens_per_s", "flop_per_s"):
+                if key in record:
+                    self._writer.add_scalar(f"train/{key}", record[key], record["step"])
+
+    def write_eval(self, step: int, val_loss: float, session: int) -> None:
+        """val.jsonl gets one line per evaluation (and TensorBoard the scalar)."""
+        if not self.enabled:
+            return
+        entry = {"step": step, "val_loss": val_loss, "session": session, "time": time.time()}
+        with (self.out_dir / "val.jsonl").open("a") as f:
+            f.write(json.dumps(entry) + "\n")
+        if self._writer is not None:
+            self._writer.add_scalar("val/loss", val_loss, step)
+
+    def write_samples(self, step: int, prompt: str, texts: Sequence[str]) -> None:
+        """samples.txt gets this invocation's samples under a header naming the step."""
+        if not self.enabled or not texts:
+            return
+        header = f"=== step {step}, prompt {prompt!r}, {time.strftime('%Y-%m-%d %H:%M:%S')} ==="
+        body = "".join(f"--- sample {i + 1} ---\n{text}\n" for i, text in enumerate(texts))
+        with (self.out_dir / "samples.txt").open("a", encoding="utf-8") as f:
+            f.write(f"{header}\n{body}\n")
+        if self._writer is not None:
+            for i, text in enumerate(texts):
+                self._writer.add_text(f"samples/{i + 1}", text, step)
+
+    def write_summary(self, summary: dict[str, Any]) -> Path | None:
+        """summary.json: the summary table's figures, as numbers."""
+        if not self.enabled:
+            return None
+        path = self.out_dir / "summary.json"
+        path.write_text(json.dumps(summary, indent=1) + "\n")
+        return path
 
 
 # ---- the end of the run -----------------------------------------------------------

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import signal
 import statistics
+import sys
 import time
+from collections.abc import Set
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +30,7 @@ from .checkpoint import (
     scan_checkpoints,
 )
 from .config import NEWEST, VOCAB_SIZE, TrainConfig
+from .config_file import config_record, write_config_file
 from .data import BatchSampler, Corpus, load_corpus, rank_slice, windows
 from .distributed import DistEnv
 from .model import GPT
@@ -41,17 +45,23 @@ from .parallel import (
 from .report import (
     MemoryBytes,
     Reporter,
+    flops_per_token,
     gather_memory,
     grad_bytes,
     human_bytes,
+    human_flops,
     memory_line,
     optim_bytes,
     param_bytes,
     peak_rss_bytes,
     plot_history,
+    resident_bytes,
+    resident_kind,
     summary_table,
+    timestamped,
 )
 from .resume import ResumePlan, choose_checkpoint
+from .run_folder import CONFIG_NAME, Settled, settle_run
 from .sample import generate
 from .stopping import StopRequest
 
@@ -63,6 +73,7 @@ class RunResult:
     first_step: int  # the step this invocation started after (0: a fresh run)
     last_step: int  # the last step completed
     interrupted: bool  # stopped by a signal before reaching --steps
+    stop_signal: int | None  # the signal that stopped it (SIGINT, SIGTERM); None: another rank's
     train_s: float  # wall time of the training loop, checkpoints included
     val_loss: float | None
     checkpoint: Path | None  # the newest checkpoint written
@@ -73,6 +84,21 @@ def _broadcast(value: Any) -> Any:
     box: list[Any] = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def settle(cfg: TrainConfig, explicit: Set[str], env: DistEnv) -> TrainConfig:
+    """This invocation's final configuration, the same on every rank: rank 0 finds the
+    run folder (a resume with changed options continues the run they change, keeping
+    its config.toml for everything else) and says what the resume changes; see
+    [Note: resuming with changed options] in run_folder.py. Collective."""
+    settled: Settled = _broadcast(settle_run(cfg, explicit) if env.is_main else None)
+    if settled.error is not None:
+        raise CheckpointError(settled.error)
+    if env.is_main:
+        for note in settled.notes:
+            print(timestamped(note, sys.stdout.isatty()), flush=True)
+    assert settled.values is not None
+    return TrainConfig(**settled.values)
 
 
 def plural(count: int, noun: str) -> str:
@@ -91,6 +117,7 @@ class Trainer:
     sampler: BatchSampler
     reporter: Reporter
     num_params: int  # of the unwrapped model
+    flops_per_token: int  # training FLOPs per token (report.flops_per_token)
     step: int  # optimizer steps completed, over all sessions
     session: int  # 0 for a fresh run, +1 per resume
     history: list[dict[str, Any]]  # one record per step, over all sessions
@@ -113,6 +140,9 @@ class Trainer:
             dropout=cfg.dropout,
         )
         self.num_params = sum(p.numel() for p in model.parameters())
+        self.flops_per_token = flops_per_token(
+            self.num_params, cfg.n_layer, cfg.d_model, cfg.seq_len
+        )
         self.model = build_parallel(model, cfg, env)
         self.optimizer = build_optimizer(self.model, cfg)
         torch.manual_seed(self._rank_seed(0))  # each rank its own stream (dropout)
@@ -154,8 +184,22 @@ class Trainer:
                 if self.env.is_main:
                     remove_checkpoints(root)
                 dist.barrier()
-        self.reporter.write_history(self.history)
+        self._open_run_folder()
         return True
+
+    def _open_run_folder(self) -> None:
+        """The run goes ahead: create its folder, write the resolved options to
+        config.toml, and start metrics.jsonl from the history so far (rank 0)."""
+        self.reporter.open()
+        if self.env.is_main:
+            write_config_file(
+                self.cfg,
+                self.cfg.run_dir / CONFIG_NAME,
+                f"The options of this run as train.py resolved them "
+                f"({time.strftime('%Y-%m-%d %H:%M:%S')}, {plural(self.env.world_size, 'rank')}"
+                f", session {self.session}).",
+            )
+        self.reporter.write_history(self.history)
 
     def _resume_chosen(self, resume: str, *, restarted: bool) -> bool:
         """Load the checkpoint rank 0 chooses (choose_checkpoint); a damaged one found
@@ -236,6 +280,7 @@ class Trainer:
             "schedule_steps": self.schedule_steps,
             "model_shape": self.cfg.model_shape(),
             "data_order": self.cfg.data_order(),
+            "config": config_record(self.cfg),  # what config.toml holds, at this step
         }
 
     def save(self) -> Path:
@@ -260,6 +305,7 @@ class Trainer:
         cfg = self.cfg
         first_step = self.step
         interrupted = False
+        stop_signal: int | None = None
         t0 = time.perf_counter()
         with (
             StopRequest(label=f"[rank {self.env.rank}] ") as stop,
@@ -271,16 +317,25 @@ class Trainer:
                 log_now = step % cfg.log_every == 0 or step == first_step + 1
                 record, stop_now = self.train_step(step, stop.requested, measure=log_now)
                 self.step = step
+                if log_now:
+                    self.memory = gather_memory(self._memory, self.env.device)
+                    record[f"{resident_kind(self.env.device)}_bytes"] = [
+                        m.resident for m in self.memory
+                    ]
                 self.history.append(record)
                 self.reporter.append_metrics(record)
                 self.reporter.advance(record)
                 if log_now:
-                    self.memory = gather_memory(self._memory, self.env.device)
                     self._log(record)
                 if cfg.checkpoint_every and (
                     stop_now or step % cfg.checkpoint_every == 0 or step == cfg.steps
                 ):
                     self.save()
+                if stop_now:
+                    # Every rank exits with the same status: the signal some rank got.
+                    agreed = torch.tensor(stop.signum or 0, device=self.env.device)
+                    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+                    stop_signal = int(agreed) or None
                 if stop_now:
                     cause = (
                             f"{stop.signal_name} received" if stop.requested
@@ -296,10 +351,13 @@ class Trainer:
                     break
         train_s = time.perf_counter() - t0
         val_loss = None if interrupted else self.evaluate()
+        if val_loss is not None:
+            self.reporter.write_eval(self.step, val_loss, self.session)
         return RunResult(
             first_step=first_step,
             last_step=self.step,
             interrupted=interrupted,
+            stop_signal=stop_signal,
             train_s=train_s,
             val_loss=val_loss,
             checkpoint=self.last_checkpoint,
@@ -339,7 +397,9 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if measure:
-            self._memory = MemoryBytes(params, grads, optim_bytes(self.optimizer))
+            self._memory = MemoryBytes(
+                params, grads, optim_bytes(self.optimizer), resident_bytes(env.device)
+            )
         # One small all-reduce per step: the mean loss, and whether anyone must stop.
         stats = torch.stack([loss_sum, torch.tensor(float(stop_requested), device=env.device)])
         dist.all_reduce(stats)
@@ -352,6 +412,7 @@ class Trainer:
             "grad_norm": float(grad_norm),
             "step_s": step_s,
             "tokens_per_s": cfg.batch_size * cfg.seq_len / step_s,
+            "flop_per_s": self.flops_per_token * cfg.batch_size * cfg.seq_len / step_s,
             "world_size": env.world_size,
             "session": self.session,
         }
@@ -381,9 +442,11 @@ class Trainer:
         window = self.history[-self.cfg.log_every :]
         tokens = self.cfg.batch_size * self.cfg.seq_len * len(window)
         tps = tokens / sum(r["step_s"] for r in window)
+        kind = resident_kind(self.env.device)
         self.reporter.print(
             f"step {record['step']:>5}/{self.cfg.steps} | loss {record['loss']:.4f} | "
-            f"lr {record['lr']:.2e} | {tps / 1e3:.1f}k tok/s | {memory_line(self.memory)}"
+            f"lr {record['lr']:.2e} | {tps / 1e3:.1f}k tok/s "
+            f"{human_flops(tps * self.flops_per_token)} | {memory_line(self.memory, kind)}"
         )
 
     @torch.no_grad()
@@ -410,11 +473,12 @@ class Trainer:
     # ---- the end --------------------------------------------------------------------
 
     def summarize(self, result: RunResult) -> None:
-        """The summary table and the plot (collective for the memory figures)."""
+        """The summary table, summary.json and the plot (collective for the memory)."""
         cfg, env = self.cfg, self.env
-        rss = torch.tensor([peak_rss_bytes()], dtype=torch.int64, device=env.device)
-        all_rss = [torch.empty_like(rss) for _ in range(env.world_size)]
-        dist.all_gather(all_rss, rss)
+        peaks = torch.tensor([peak_rss_bytes(), self._peak_device()], dtype=torch.int64)
+        peaks = peaks.to(env.device)
+        all_peaks = [torch.empty_like(peaks) for _ in range(env.world_size)]
+        dist.all_gather(all_peaks, peaks)
         if not env.is_main:
             return
         ran = [r for r in self.history if r["step"] > result.first_step]
@@ -432,6 +496,7 @@ class Trainer:
             wrapper += f" {cfg.sharding_strategy}"
         if cfg.wrapper != "ddp":
             wrapper += f" ({cfg.impl})"
+        kind = resident_kind(env.device)
         rows = [
             ("model", f"GPT {cfg.n_layer} layers x {cfg.d_model} wide, {cfg.n_head} heads, "
                       f"{self.num_params / 1e6:.2f}M parameters, byte-level"),
@@ -446,35 +511,88 @@ class Trainer:
                       f"grad accum {cfg.grad_accum}"),
             ("training time", f"{result.train_s:.1f} s, median step {median_ms:.0f} ms"),
             ("throughput", f"{tps:,.0f} tokens/s (all ranks, first step excluded)"),
+            ("compute", f"{human_flops(tps * self.flops_per_token)} achieved, all ranks "
+                        f"({self.flops_per_token:,} FLOP/token: 6N + 12 x layers x width x "
+                        "seq len)"),
             ("loss", f"{self.history[0]['loss']:.3f} at step 1 -> "
                      f"{statistics.fmean(tail):.3f} (mean of the last {len(tail)} steps)"
                      if self.history else "-"),
             ("val loss", "-" if result.val_loss is None else f"{result.val_loss:.3f}"),
         ]  # fmt: skip
+        memory = []
         for rank, mem in enumerate(self.memory):
+            rss, device_peak = (int(v) for v in all_peaks[rank].tolist())
+            on_device = f", peak CUDA {human_bytes(device_peak)}" if kind == "cuda" else ""
             rows.append(
-                (f"rank {rank} bytes", f"params {human_bytes(mem.params)}, grads "
-                 f"{human_bytes(mem.grads)}, optim {human_bytes(mem.optim)}, peak RSS "
-                 f"{human_bytes(int(all_rss[rank]))}")
+                (f"rank {rank} memory", f"params {human_bytes(mem.params)}, grads "
+                 f"{human_bytes(mem.grads)}, optim {human_bytes(mem.optim)}; {kind} "
+                 f"{human_bytes(mem.resident)}{on_device}, peak RSS {human_bytes(rss)}")
+            )  # fmt: skip
+            memory.append(
+                {"params": mem.params, "grads": mem.grads, "optim": mem.optim,
+                 f"{kind}": mem.resident, "peak_rss": rss, "peak_cuda": device_peak}
             )  # fmt: skip
         plot = plot_history(self.history, result.val_loss, cfg.run_dir / "train.png")
+        summary = self.reporter.write_summary(
+            {
+                "steps": result.last_step,
+                "steps_this_run": len(ran),
+                "interrupted": result.interrupted,
+                "world_size": env.world_size,
+                "train_s": result.train_s,
+                "tokens_per_s": tps,
+                "flop_per_s": tps * self.flops_per_token,
+                "flops_per_token": self.flops_per_token,
+                "loss_first": self.history[0]["loss"] if self.history else None,
+                "loss_last": statistics.fmean(tail) if tail else None,
+                "val_loss": result.val_loss,
+                "memory_per_rank": memory,
+                "checkpoint": None if result.checkpoint is None else str(result.checkpoint),
+            }
+        )
+        written = ["config.toml", "metrics.jsonl", "summary.json", plot.name]
+        if result.val_loss is not None:
+            written.append("val.jsonl")
+        if cfg.sample_lines and not result.interrupted:
+            written.append("samples.txt")
+        if summary is not None and (summary.parent / "tensorboard").is_dir():
+            written.append("tensorboard/")
         rows += [
             ("checkpoint", str(result.checkpoint)),
-            ("metrics", f"{self.reporter.metrics_path}, plot {plot}"),
+            ("run folder", f"{cfg.run_dir}: {', '.join(written)}"),
         ]
         self.reporter.console.print(summary_table(rows, "run summary"))
+        if result.interrupted:
+            self.reporter.close()
+
+    def _peak_device(self) -> int:
+        device = self.env.device
+        return int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else 0
 
     def sample(self) -> None:
-        """A few continuations of --prompt (collective)."""
+        """A few continuations of --prompt (collective), shown as they are drawn and
+        appended to samples.txt."""
         cfg = self.cfg
-        for i in range(cfg.sample_lines):
-            text = generate(
-                self.model,
-                cfg.prompt.encode(),
-                new_bytes=cfg.sample_chars,
-                seq_len=cfg.seq_len,
-                temperature=cfg.temperature,
-                seed=cfg.seed + i,
-                device=self.env.device,
+        texts: list[str] = []
+        total = cfg.sample_lines * cfg.sample_chars
+        if cfg.sample_lines:
+            self.reporter.print(
+                f"sampling {plural(cfg.sample_lines, 'continuation')} of {cfg.prompt!r}, "
+                f"{cfg.sample_chars} bytes each"
             )
-            self.reporter.print(f"--- sample {i + 1} ---\n{text.decode('utf-8', 'replace')}")
+        with self.reporter.progress(total, 0, what="sample"):
+            for i in range(cfg.sample_lines):
+                text = generate(
+                    self.model,
+                    cfg.prompt.encode(),
+                    new_bytes=cfg.sample_chars,
+                    seq_len=cfg.seq_len,
+                    temperature=cfg.temperature,
+                    seed=cfg.seed + i,
+                    device=self.env.device,
+                    on_byte=functools.partial(self.reporter.advance, status=f"sample {i + 1}"),
+                ).decode("utf-8", "replace")
+                texts.append(text)
+                self.reporter.print(f"--- sample {i + 1} ---\n{text}")
+        self.reporter.write_samples(self.step, cfg.prompt, texts)
+        self.reporter.close()

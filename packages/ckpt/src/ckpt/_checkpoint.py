@@ -28,7 +28,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
@@ -37,9 +36,11 @@ from ckpt import _layout
 from ckpt._agreement import check_ranks_agree
 from ckpt._collective_failure import in_phase
 from ckpt._comm import Comm, async_group, device_of, on_device
+from ckpt._disk_space import SpaceCheckingWriter, disk_full, found_disk_full, is_disk_full
 from ckpt._errors import (
     CheckpointError,
     CorruptCheckpointError,
+    DiskFullError,
     FileProblem,
     UnsafeCheckpointError,
 )
@@ -165,26 +166,47 @@ class _SaveTransaction:
     def write(self, state_dict: dict[str, Any]) -> None:
         """Every rank writes its shards into the partial directory (DCP, in parallel)."""
         self._expect(SaveState.PREPARED)
+        writer = SpaceCheckingWriter(
+            _layout.partial_path(self.path), self.path, sync_files=True, overwrite=False
+        )
         try:
             if not self.comm.distributed:
                 _quiet_single_process()
             dcp_save(
                 state_dict,
-                storage_writer=FileSystemWriter(
-                    _layout.partial_path(self.path), sync_files=True, overwrite=False
-                ),
+                storage_writer=writer,
                 process_group=self.comm.group,
                 no_dist=not self.comm.distributed,
             )
-        except CheckpointException as e:
-            # DCP shares a failure only after every rank finished writing, so the
-            # partial directory is no one's any more.
+        except (CheckpointException, DiskFullError) as e:
+            # DCP shares a failure only after every rank finished writing (and a single
+            # process's planning step raises directly), so the partial directory is no
+            # one's any more.
             self.state = SaveState.FAILED
-            if self.comm.is_coordinator:
+            refused = found_disk_full(e)  # [Note: naming a full disk]
+            ran_out = refused is None and is_disk_full(e)
+
+            def clean_up() -> DiskFullError | None:
                 shutil.rmtree(_layout.partial_path(self.path), ignore_errors=True)
+                # Rank 0's writer planned the whole save, so its estimate is the one;
+                # measured after the cleanup, so the free bytes are a retry's.
+                return disk_full(self.path, writer.needed) if ran_out else None
+
+            # Every rank got the same failure from DCP, so all are here together.
+            full = self.comm.run_on_coordinator(
+                f"clean up the failed save to {self.path}", clean_up
+            )
+            if refused is not None:
+                raise refused from None
+            if full is not None:
+                raise full from e
+            assert isinstance(e, CheckpointException)
             raise _dcp_failure(f"write {self.path}", e) from e
-        except BaseException:
+        except BaseException as e:
             self.state = SaveState.FAILED
+            if not self.comm.distributed and is_disk_full(e):
+                shutil.rmtree(_layout.partial_path(self.path), ignore_errors=True)
+                raise disk_full(self.path, writer.needed) from e
             raise
         self.state = SaveState.WRITTEN
 
@@ -219,7 +241,13 @@ class _SaveTransaction:
                 manifest = new_manifest(records, self.checksum, self.comm.world_size, self.saved_by)
                 if self.key is not None:
                     manifest = sign_manifest(manifest, self.key)
-                write_manifest(partial, manifest)
+                try:
+                    write_manifest(partial, manifest)
+                except OSError as e:
+                    if not is_disk_full(e):
+                        raise
+                    shutil.rmtree(partial, ignore_errors=True)  # [Note: naming a full disk]
+                    raise disk_full(self.path, None) from e
                 _layout.commit(self.path)
                 if on_commit is not None:  # before the broadcast: ranks see it done
                     try:

@@ -8,6 +8,7 @@ messages.
 
 from __future__ import annotations
 
+import errno
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointExistsError",
     "CorruptCheckpointError",
+    "DiskFullError",
     "FileProblem",
     "NotACheckpointError",
     "PartialCheckpointError",
@@ -91,6 +93,53 @@ class CheckpointExistsError(CheckpointError, FileExistsError):
     a wrong step number never silently replaces a good checkpoint; anything at the
     path that is not a ckpt checkpoint is never replaced.
     """
+
+
+def _bytes(n: int) -> str:
+    """``1288490188`` -> ``'1288490188 bytes (1.2 GiB)'``: exact for scripts, readable
+    for people."""
+    value = float(n)
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        value /= 1024
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{n} bytes" if abs(n) < 1024 else f"{n} bytes ({value:.1f} {unit})"
+    raise AssertionError("unreachable")
+
+
+class DiskFullError(CheckpointError):
+    """The filesystem under ``path`` has no room for what is being written.
+
+    Raised before writing when the size is known and too large (``needed`` bytes, of
+    which ``free`` are available), or in place of the OS's (or torch's) error when a
+    write ran out of space (``needed`` None when unknown); see [Note: naming a full
+    disk] in ``_disk_space.py``. Nothing of the failed write is left; an earlier
+    checkpoint is untouched. Free space there, or write elsewhere. ``errno`` is
+    ``errno.ENOSPC``, as on the OSError it stands for.
+    """
+
+    def __init__(self, path: Path, needed: int | None, free: int, what: str = "checkpoint") -> None:
+        self.path = path
+        self.needed = needed
+        self.free = free
+        self.what = what
+        self.errno = errno.ENOSPC
+        need = (
+            f"the {what} needs about {_bytes(needed)}"
+            if needed is not None
+            else f"the {what} did not fit"
+        )
+        kept = (
+            "nothing of this save was kept (an earlier checkpoint is intact)"
+            if what == "checkpoint"
+            else f"nothing of this {what} was kept"
+        )
+        super().__init__(
+            f"no space left on device at {path}: {need}, {_bytes(free)} are free; {kept}. "
+            "Free space on that filesystem or write elsewhere"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.path, self.needed, self.free, self.what))
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,10 @@ such layout: that format holds the whole model in memory once.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
+import shutil
 import struct
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -27,16 +30,20 @@ from typing import IO
 
 import torch
 
-from ckpt._errors import CheckpointError
+from ckpt._disk_space import check_space, disk_full, is_disk_full
+from ckpt._errors import CheckpointError, DiskFullError
 from ckpt._reader import CheckpointReader, TensorInfo
 
 __all__ = [
     "DEFAULT_BUFFER_BYTES",
+    "ExportExistsError",
+    "ExportTargetError",
     "ExportedFile",
     "export",
     "model_tensors",
     "parse_size",
     "plan_shards",
+    "target_format",
 ]
 
 DEFAULT_BUFFER_BYTES = 64 << 20
@@ -205,13 +212,11 @@ class _SafetensorsWriter:
             offset += size
         encoded = json.dumps(header, separators=(",", ":")).encode()
         encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "wb") as f:
+        with open(path, "wb") as f:  # a staged path: export() renames it into place
             f.write(struct.pack("<Q", len(encoded)))
             f.write(encoded)
             for name, info in tensors.items():
                 self._write_tensor(f, name, info)
-        tmp.replace(path)
         return ExportedFile(path, tuple(tensors), offset)
 
     def _write_tensor(self, f: IO[bytes], name: str, info: TensorInfo) -> None:
@@ -228,6 +233,107 @@ class _SafetensorsWriter:
             raise CheckpointError(f"{name}: wrote {written} bytes, expected {expected}")
 
 
+class ExportTargetError(ValueError):
+    """``--to`` names something an export will not write: an unknown suffix, a file
+    where a folder is meant (or the other way round). A usage error: nothing was
+    written."""
+
+
+class ExportExistsError(ExportTargetError):
+    """The target already holds an export (or another file) and ``overwrite`` is off."""
+
+
+_SUFFIX_FORMATS = {".safetensors": "safetensors", ".pt": "torch", ".pth": "torch", ".bin": "torch"}
+_FORMATS = ("safetensors", "sharded", "torch")
+# Bytes beyond the tensors' data an export may write (headers, index, torch.save framing).
+_HEADER_SLACK = 1 << 20
+# What a sharded export writes into its folder; re-exporting replaces exactly these.
+_SHARD_NAME = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
+
+
+def target_format(to: Path, fmt: str | None) -> str:
+    """The format to write ``to`` in: ``fmt`` if given, else by ``to``'s suffix
+    (``.safetensors`` one file, ``.pt``/``.pth``/``.bin`` torch.save, none or an
+    existing folder: sharded). Any other suffix is refused rather than guessed."""
+    if fmt is not None and fmt not in _FORMATS:
+        raise ExportTargetError(f"format {fmt!r}: choose safetensors, sharded or torch")
+    if to.is_dir():
+        if fmt not in (None, "sharded"):
+            raise ExportTargetError(
+                f"--to {to} is a folder, and --format {fmt} writes one file: give a file "
+                f"name (e.g. {to / 'model.safetensors'}) or --format sharded"
+            )
+        return "sharded"
+    if fmt is not None:
+        return fmt
+    suffix = to.suffix.lower()
+    if suffix in _SUFFIX_FORMATS:
+        return _SUFFIX_FORMATS[suffix]
+    if not suffix:
+        return "sharded"
+    raise ExportTargetError(
+        f"--to {to}: {suffix!r} is not a format ckpt writes; name OUT.safetensors (one "
+        "safetensors file), OUT.pt, OUT.pth or OUT.bin (a torch.save file) or a folder "
+        "without a suffix (sharded safetensors and model.safetensors.index.json), or "
+        "choose with --format"
+    )
+
+
+def _earlier_export(folder: Path) -> list[Path]:
+    """The files an earlier sharded export left in ``folder`` (its index, the shards
+    the index names, and any ``model*.safetensors``); other files stay."""
+    if not folder.is_dir():
+        return []
+    found = {p for p in folder.iterdir() if _SHARD_NAME.match(p.name) or p.name == INDEX_NAME}
+    index = folder / INDEX_NAME
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map", {})
+            found |= {folder / str(name) for name in weight_map.values()}
+        except (ValueError, AttributeError, OSError):
+            pass  # a broken index is replaced like the rest
+    return sorted(p for p in found if p.is_file() and p.parent == folder)
+
+
+def _check_target(to: Path, fmt: str, overwrite: bool) -> list[Path]:
+    """Refuse a target that holds something unless ``overwrite``; returns what a
+    sharded export will replace."""
+    if fmt == "sharded":
+        if to.exists() and not to.is_dir():
+            raise ExportTargetError(
+                f"--to {to} is a file; a sharded export writes a folder: choose a folder "
+                f"name, or a file name ending in .safetensors"
+            )
+        earlier = _earlier_export(to)
+        if earlier and not overwrite:
+            names = ", ".join(p.name for p in earlier[:4]) + (", ..." if len(earlier) > 4 else "")
+            raise ExportExistsError(
+                f"--to {to} already holds an export ({names}); pass --overwrite to replace "
+                "it whole (other files in the folder stay), or choose another folder"
+            )
+        return earlier
+    if to.is_dir():
+        raise ExportTargetError(f"--to {to} is a folder; --format {fmt} writes one file")
+    if to.exists() and not overwrite:
+        raise ExportExistsError(
+            f"--to {to} already exists; pass --overwrite to replace it, or choose another name"
+        )
+    return []
+
+
+def _make_parents(folder: Path) -> list[Path]:
+    """Create ``folder`` and its missing ancestors; returns those created, outermost
+    first, so a failed export can remove them again."""
+    missing = [p for p in (folder, *folder.parents) if not p.exists()][::-1]
+    for p in missing:
+        p.mkdir()
+    return missing
+
+
+def _output_bytes(tensors: Mapping[str, TensorInfo], dtype: torch.dtype | None) -> int:
+    return sum(i.numel * _target_dtype(i, dtype).itemsize for i in tensors.values())
+
+
 def export(
     reader: CheckpointReader,
     to: Path,
@@ -238,51 +344,102 @@ def export(
     entry: str | None = None,
     buffer_bytes: int = DEFAULT_BUFFER_BYTES,
     progress: ProgressFn | None = None,
+    overwrite: bool = False,
 ) -> list[ExportedFile]:
     """Write the model of ``reader``'s checkpoint to ``to``; returns the files written.
 
     ``fmt``: ``"safetensors"`` (one file), ``"sharded"`` (a folder of
     ``model-0000i-of-0000n.safetensors`` files plus ``model.safetensors.index.json``,
     at most ``max_shard_size`` bytes each) or ``"torch"`` (one ``torch.save`` file);
-    None chooses by ``to``: ``.safetensors`` -> one file, ``.pt``/``.pth``/``.bin``
-    -> torch, anything else -> a sharded folder.
+    None chooses by ``to`` (``target_format``), refusing a suffix it does not know.
+
+    All or nothing: the output is written beside the target (``.NAME.partial``) and
+    renamed into place when complete, so a failed export (an unreadable chunk, a full
+    disk, Ctrl-C) leaves nothing behind, not even the folders it created. An existing
+    target is refused unless ``overwrite``; then it is replaced whole: a sharded
+    export's earlier shards and index go (files it did not write, such as a
+    ``config.json``, stay).
     """
-    if fmt is None:
-        suffix = to.suffix.lower()
-        fmt = {".safetensors": "safetensors", ".pt": "torch", ".pth": "torch", ".bin": "torch"}.get(
-            suffix, "sharded"
-        )
-    if fmt not in ("safetensors", "sharded", "torch"):
-        raise ValueError(f"format {fmt!r}: choose safetensors, sharded or torch")
+    fmt = target_format(to, fmt)
     tensors = model_tensors(reader, entry)
     if not tensors:
         raise CheckpointError(f"{reader.path} holds no model tensors to export")
+    earlier = _check_target(to, fmt, overwrite)
+    total = _output_bytes(tensors, dtype)
+    staged = to.parent / f".{to.name}.partial"
+    created: list[Path] = []
+    try:
+        created = _make_parents(to.parent)
+        check_space(to, total + _HEADER_SLACK, what="export", at=to.parent)
+        if staged.is_dir():  # left by an export that was killed
+            shutil.rmtree(staged)
+        files = _write(
+            reader, to, staged, fmt=fmt, tensors=tensors, dtype=dtype,
+            max_shard_size=max_shard_size, buffer_bytes=buffer_bytes, progress=progress,
+            earlier=earlier,
+        )  # fmt: skip
+    except BaseException as e:
+        if staged.is_dir():
+            shutil.rmtree(staged, ignore_errors=True)
+        else:
+            staged.unlink(missing_ok=True)
+        for folder in reversed(created):
+            with contextlib.suppress(OSError):
+                folder.rmdir()  # only if still empty
+        if isinstance(e, Exception) and not isinstance(e, DiskFullError) and is_disk_full(e):
+            raise disk_full(to, total, what="export") from e
+        raise
+    return files
+
+
+def _write(
+    reader: CheckpointReader,
+    to: Path,
+    staged: Path,
+    *,
+    fmt: str,
+    tensors: Mapping[str, TensorInfo],
+    dtype: torch.dtype | None,
+    max_shard_size: int | None,
+    buffer_bytes: int,
+    progress: ProgressFn | None,
+    earlier: list[Path],
+) -> list[ExportedFile]:
+    """Write into ``staged``, then put it in place of ``to`` (see ``export``)."""
     if fmt == "torch":
-        to.parent.mkdir(parents=True, exist_ok=True)
         out: dict[str, torch.Tensor] = {}
         for name, info in tensors.items():
             out[name] = reader.read_tensor(info).to(_target_dtype(info, dtype))
             if progress is not None:
                 progress(name, out[name].numel() * out[name].element_size())
-        tmp = to.with_name(to.name + ".tmp")
-        torch.save(out, tmp)
-        tmp.replace(to)
+        torch.save(out, staged)
+        staged.replace(to)
         return [ExportedFile(to, tuple(out), sum(t.nbytes for t in out.values()))]
     writer = _SafetensorsWriter(reader, dtype, buffer_bytes, progress)
     if fmt == "safetensors":
-        to.parent.mkdir(parents=True, exist_ok=True)
-        return [writer.write(to, tensors)]
-    to.mkdir(parents=True, exist_ok=True)
+        written = writer.write(staged, tensors)
+        staged.replace(to)
+        return [ExportedFile(to, written.names, written.nbytes)]
+    staged.mkdir()
     sizes = {n: i.numel * _target_dtype(i, dtype).itemsize for n, i in tensors.items()}
     shards = plan_shards(sizes, max_shard_size)
     files: list[ExportedFile] = []
     for i, names in enumerate(shards):
-        file = to / f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         part = {n: tensors[n] for n in names}
-        files.append(writer.write(file, part))
+        written = writer.write(staged / name, part)
+        files.append(ExportedFile(to / name, written.names, written.nbytes))
     index = {
         "metadata": {"total_size": sum(sizes.values())},
         "weight_map": {n: f.path.name for f in files for n in f.names},
     }
-    (to / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    (staged / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    if to.is_dir():
+        for old in earlier:
+            old.unlink(missing_ok=True)
+        for new in sorted(staged.iterdir()):
+            new.replace(to / new.name)
+        staged.rmdir()
+    else:
+        staged.rename(to)
     return files

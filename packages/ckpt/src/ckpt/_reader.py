@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import io
 import math
+import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -222,7 +223,8 @@ class CheckpointReader:
     def read_chunk(self, tensor: TensorInfo, offsets: tuple[int, ...]) -> torch.Tensor:
         """One saved chunk of ``tensor`` (weights_only), in its saved dtype."""
         info = self._storage(tensor.key, offsets)
-        with open(self.path / str(info.relative_path), "rb") as f:
+        name = str(info.relative_path)
+        with self._open_data(name, int(info.offset) + int(info.length), tensor.key) as f:
             view = _FileView(f, int(info.offset), int(info.length))
             try:
                 chunk = torch.load(io.BufferedReader(view), map_location="cpu", weights_only=True)
@@ -244,6 +246,28 @@ class CheckpointReader:
                 [FileProblem(str(info.relative_path), "unreadable", f"bad chunk of {tensor.key}")],
             )
         return chunk
+
+    def _open_data(self, name: str, end: int, key: str) -> io.BufferedReader:
+        """Open data file ``name`` for an item ending at byte ``end``; a missing, short
+        or unreadable file is a ``CorruptCheckpointError`` naming it (status 4 in the
+        ``ckpt`` program), never a raw ``OSError``."""
+
+        def problem(kind: str, detail: str) -> CorruptCheckpointError:
+            return CorruptCheckpointError(self.path, [FileProblem(name, kind, detail)])
+
+        try:
+            f = open(self.path / name, "rb")  # noqa: SIM115 - returned to a with-block
+        except FileNotFoundError:
+            raise problem("missing", f"referenced by .metadata for {key}, not on disk") from None
+        except OSError as e:
+            raise problem("unreadable", f"{type(e).__name__}: {e}") from None
+        size = os.fstat(f.fileno()).st_size
+        if size < end:
+            f.close()
+            raise problem(
+                "size", f"truncated: {size} bytes, .metadata places {key} up to byte {end}"
+            )
+        return f
 
     def read_tensor(self, tensor: TensorInfo) -> torch.Tensor:
         """The whole tensor, assembled from its chunks."""

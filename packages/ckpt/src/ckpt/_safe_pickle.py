@@ -273,6 +273,10 @@ def read_slice(directory: Path, info: Any) -> bytes:
         with open(directory / name, "rb") as f:
             f.seek(int(info.offset))
             data = f.read(int(info.length))
+    except FileNotFoundError:
+        raise CorruptCheckpointError(
+            directory, [FileProblem(name, "missing", "referenced by .metadata, not on disk")]
+        ) from None
     except OSError as e:
         raise CorruptCheckpointError(
             directory, [FileProblem(name, "unreadable", f"{type(e).__name__}: {e}")]

@@ -62,7 +62,9 @@ def ckpt_module(feature: str) -> ModuleType:
         if e.name != "ckpt":
             raise  # ckpt is there but broken: its own error says more
         raise ImportError(
-            f"{feature} is provided by the ckpt package, which is not installed: pip install ckpt"
+            f"{feature} is provided by the ckpt package, which is not installed: "
+            "pip install shardkit-ckpt (from a clone: pip install ./packages/ckpt; PyPI's "
+            "'ckpt' is another project)"
         ) from e
     try:
         return importlib.import_module("ckpt.fsdp_methods")
@@ -71,7 +73,7 @@ def ckpt_module(feature: str) -> ModuleType:
             raise
         raise ImportError(
             f"{feature} needs ckpt.fsdp_methods, which the installed ckpt lacks: "
-            "pip install --upgrade ckpt"
+            "pip install --upgrade shardkit-ckpt (from a clone: pip install ./packages/ckpt)"
         ) from e
 
 
