@@ -5,7 +5,7 @@ and prints the losses an uninterrupted run prints.
 Launched exactly as the README says (``torchrun --standalone --nproc-per-node 2``, here
 as ``python -m torch.distributed.run``, which is what the ``torchrun`` script runs), in
 a subprocess with a hard timeout. The uninterrupted run and the first half run side by
-side. When ``fully_shard`` exists, its script joins ``SCRIPTS``.
+side.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 MINIMAL = Path(__file__).resolve().parent.parent / "examples" / "minimal"
-SCRIPTS = ["fsdp1.py", "ddp_zero.py"]
+SCRIPTS = ["fsdp1.py", "ddp_zero.py", "fully_shard.py"]
 TIMEOUT = 240  # seconds per launch; one takes 10-30 s on a loaded 2-core machine
 
 
