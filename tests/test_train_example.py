@@ -173,6 +173,31 @@ def _assert_close(got: dict[int, float], want: dict[int, float], rel: float) -> 
 
 
 @pytest.mark.slow
+def test_train_fully_shard_equals_torchs_and_resumes_under_the_wrapper(tmp_path: Path) -> None:
+    # --wrapper fully_shard, ours and torch's (--impl torch): the same steps bit for bit
+    # (tests/fully_shard/test_parity.py); its step-3 checkpoint resumes under our FSDP1
+    # wrapper on one rank, within the tolerance of another world size.
+    every3 = ["--checkpoint-every", "3", "--keep-checkpoints", "3"]
+    ours = Launch(2, [*TINY, *every3, "--wrapper", "fully_shard", "--out-dir", "fs"], tmp_path)
+    theirs = Launch(
+        2, [*TINY, "--wrapper", "fully_shard", "--impl", "torch", "--out-dir", "fst"], tmp_path
+    )
+    for rc, out in (ours.finish(), theirs.finish()):
+        assert rc == 0, out
+    full = losses(tmp_path / "fs")
+    assert sorted(full) == list(range(1, 9)) and full[8] < full[1] - 0.3, full
+    assert losses(tmp_path / "fst") == full
+    _resume_copy(tmp_path / "fs", tmp_path / "fs1", 3)
+    resume = [*TINY, "--wrapper", "fsdp", "--out-dir", "fs1", "--resume"]
+    rc, out = Launch(1, resume, tmp_path).finish()
+    assert rc == 0 and "saved by 2 ranks, now 1" in out, out
+    assert "fsdp FULL_SHARD (ours), 1 rank" in out, out
+    resumed = losses(tmp_path / "fs1")
+    assert {s: resumed[s] for s in (1, 2, 3)} == {s: full[s] for s in (1, 2, 3)}
+    _assert_close(resumed, full, OTHER_WORLD_REL)
+
+
+@pytest.mark.slow
 def test_train_interrupt_resume_at_two_world_sizes(tmp_path: Path) -> None:
     # The default wrapper (fsdp): an uninterrupted reference, and a run that rank 1
     # interrupts with SIGINT in step 3. Beside them ddp-zero and ddp, checkpointing
@@ -624,7 +649,10 @@ def test_train_config_file_is_checked_and_round_trips(
     for text, message in (
         ("lr = 'fast'\n", "lr = 'fast': write a number"),
         ("learning_rate = 0.1\n", "unknown option 'learning_rate'"),
-        ("wrapper = 'fsdp2'\n", "wrapper = 'fsdp2': choose one of ['fsdp', 'ddp-zero', 'ddp']"),
+        (
+            "wrapper = 'fsdp2'\n",
+            "wrapper = 'fsdp2': choose one of ['fsdp', 'fully_shard', 'ddp-zero', 'ddp']",
+        ),
         ("steps = [\n", "not valid TOML"),
     ):
         bad = tmp_path / "bad.toml"
