@@ -29,7 +29,7 @@ def _rank(variant: str, model_kwargs: dict[str, int]) -> dict[str, float]:
     import torch.distributed.fsdp.wrap as torch_wrap
 
     import fsdp
-    import fsdp._wrapper._init
+    import fsdp._runtime._host_memory
     import fsdp.wrap
     from benchmarks.gpt import GPT, Block
 
@@ -48,7 +48,7 @@ def _rank(variant: str, model_kwargs: dict[str, int]) -> dict[str, float]:
         )
     else:
         if variant == "ours, no trim":
-            fsdp._wrapper._init._malloc_trim = None
+            fsdp._runtime._host_memory._malloc_trim = None
         wrapped = fsdp.FullyShardedDataParallel(
             model, auto_wrap_policy=fsdp.wrap.ModuleWrapPolicy({Block}), device_id="cpu"
         )

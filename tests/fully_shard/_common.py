@@ -42,6 +42,7 @@ class Case:
     offload: bool = False
     frozen: bool = False  # emb and every LayerNorm frozen
     accumulate: int = 1  # micro-batches; all but the last without gradient sync
+    all_reduce_only: bool = False  # accumulate with set_requires_all_reduce (HSDP)
     clip: float | None = None
     meta: bool = False  # built on the meta device, to_empty + reset_parameters
     ignore_head_bias: bool = False
@@ -131,7 +132,9 @@ def train(model: nn.Module, case: Case) -> dict[str, list[Any]]:
     for _ in range(STEPS):
         for micro in range(case.accumulate):
             last = micro == case.accumulate - 1
-            if case.accumulate > 1:
+            if case.accumulate > 1 and case.all_reduce_only:
+                model.set_requires_all_reduce(last)  # type: ignore[operator]
+            elif case.accumulate > 1:
                 model.set_requires_gradient_sync(last)  # type: ignore[operator]
             x, y = next(it)
             loss = loss_fn(model(x), y)

@@ -40,6 +40,7 @@ CASES: dict[str, Case] = {
     "ignored_params": Case(ignore_head_bias=True),
     "shard_dim1": Case(shard_dim1=True, min_world=2),
     "hsdp_bf16_accumulate": Case(mesh_2d=True, mp=(BF16, F32), accumulate=2, min_world=4),
+    "hsdp_reduce_scatter_only": Case(mesh_2d=True, accumulate=2, all_reduce_only=True, min_world=4),
 }
 
 

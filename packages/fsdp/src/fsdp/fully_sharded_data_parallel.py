@@ -27,6 +27,7 @@ from fsdp._runtime._common import (
     TrainingState,
     clean_fqn,
 )
+from fsdp._runtime._host_memory import release_freed_host_memory
 from fsdp._wrapper import _grad_norm, _init
 from fsdp._wrapper._deferred_init import has_meta_states, materialize_unit, modules_to_materialize
 from fsdp._wrapper._fsdp_state import FSDPState, get_fsdp_state
@@ -308,7 +309,7 @@ class FullyShardedDataParallel(nn.Module):
             use_orig_params=use_orig_params,
         )
         del collected  # the original parameters: free them before the enclosing unit is built
-        _init.release_freed_host_memory()  # see [Note: construction RSS]
+        release_freed_host_memory()  # see [Note: construction RSS]
         if auto_wrap_policy is not None:  # this constructor marked them
             _init.clear_tied_marks(module, tied)
         self._fsdp_wrapped_module = module

@@ -34,6 +34,7 @@ from fsdp._fully_shard._policies import (
     to_offload_policy,
 )
 from fsdp._fully_shard._state import ORPHAN, FullyShardState, state_of
+from fsdp._runtime._host_memory import release_freed_host_memory
 
 __all__ = [
     "FSDPModule",
@@ -156,6 +157,7 @@ def fully_shard(
             offload=offload,
         )
     FullyShardState(module, group, mesh=info, device=device, mp=mp, auto_reshard_after_forward=auto)
+    release_freed_host_memory()  # the originals' memory: see [Note: construction RSS]
     for m in managed:
         m.__dict__["_is_fsdp_managed_module"] = True  # as torch's, for Dynamo's checks
         m.__dict__["_fsdp_use_orig_params"] = True
