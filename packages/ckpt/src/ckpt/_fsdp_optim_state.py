@@ -60,6 +60,7 @@ __all__ = [
     "load_fsdp_optim_state_dict",
     "optim_state_dict",
     "optim_state_dict_to_load",
+    "param_names_by_group",
     "rekey_optim_state_dict",
     "scatter_full_optim_state_dict",
     "shard_full_optim_state_dict",
@@ -113,6 +114,18 @@ def _slot_of(slots: Mapping[int, _Slot], p: Tensor) -> _Slot:
             "(after wrapping)"
         )
     return slot
+
+
+def param_names_by_group(
+    model: nn.Module, optim: torch.optim.Optimizer
+) -> list[list[tuple[str, bool]]]:
+    """Per parameter group of ``optim``: (FQN, requires_grad) of each original parameter
+    it steps, a FlatParameter counting for each parameter it holds, in flat order."""
+    slots = _slots(model)
+    return [
+        [(fqn, p.requires_grad) for p in ps for fqn in _slot_of(slots, p).fqns()]
+        for ps in _optim_params(optim)
+    ]
 
 
 def _is_flat_state(value: Any, unit: FlatUnit) -> bool:

@@ -1,0 +1,167 @@
+"""torch's state-dict API (``get_state_dict`` / ``set_state_dict`` and family) on our wrappers.
+
+Each test trains, takes the state dicts with the API under test, writes them with
+``dcp.save``, loads them into a differently seeded model with ``dcp.load`` and the
+``set_*`` functions, and trains on: the losses and the final weights must equal an
+uninterrupted run's exactly (every rank trains on the same batch, so the runs are
+bit-identical, see ``_wrappers.py``). The API is torch's own functions after
+``fsdp.torch_compat.install()`` / ``zero_optim.torch_compat.install()`` ("torch"),
+or ckpt's imported directly ("ckpt"), for every ``StateDictOptions`` combination
+that torch supports for FSDP1, on our FSDP1 (both ``use_orig_params``) and on DDP +
+our ``ZeroRedundancyOptimizer``. The model has a frozen LayerNorm (``ln_f``, in the
+root unit beside trainable parameters), so ``ignore_frozen_params`` leaves something
+out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdp import FullyShardedDataParallel as FSDP  # noqa: N817
+from tests.ckpt._wrappers import LR, full_weights, same, train
+from tests.fsdp._common import Block, make_net
+from tests.ranks import run_ranks
+
+KINDS = ("fsdp", "fsdp-orig", "ddp-zero")
+OPTION_NAMES = (
+    "full_state_dict",
+    "cpu_offload",
+    "broadcast_from_rank0",
+    "strict",
+    "flatten_optimizer_state_dict",
+    "ignore_frozen_params",
+)
+
+
+def combos() -> list[dict[str, bool]]:
+    """Every combination of the options torch's FSDP1 path supports (48):
+    ``broadcast_from_rank0`` needs ``full_state_dict``."""
+    out = []
+    for values in itertools.product((False, True), repeat=len(OPTION_NAMES)):
+        opts = dict(zip(OPTION_NAMES, values, strict=True))
+        if opts["broadcast_from_rank0"] and not opts["full_state_dict"]:
+            continue
+        out.append(opts)
+    return out
+
+
+def build(kind: str, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The test model under ``kind``, ``ln_f`` frozen (LayerNorm's initial ones and
+    zeros, the same for every seed), AdamW over all its parameters."""
+    from fsdp.wrap import ModuleWrapPolicy
+    from zero_optim import ZeroRedundancyOptimizer
+
+    net = make_net(seed)
+    net.ln_f.requires_grad_(False)
+    if kind == "ddp-zero":
+        ddp = nn.parallel.DistributedDataParallel(net)
+        return ddp, ZeroRedundancyOptimizer(
+            ddp.parameters(), torch.optim.AdamW, lr=LR, weight_decay=0.1
+        )
+    model = FSDP(
+        net, auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=kind == "fsdp-orig"
+    )
+    return model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+
+
+def api(via: str) -> Any:
+    """The module whose six functions and StateDictOptions the test calls."""
+    if via == "torch":
+        import fsdp.torch_compat
+        import zero_optim.torch_compat
+
+        fsdp.torch_compat.install()
+        zero_optim.torch_compat.install()
+        import torch.distributed.checkpoint.state_dict as torch_api
+
+        return torch_api
+    import ckpt
+
+    return ckpt
+
+
+def _rank0_holds(opts: dict[str, bool]) -> bool:
+    """Full state dicts that only rank 0 holds (cpu_offload) or that rank 0 broadcasts
+    back: rank 0 alone saves them and reads them back."""
+    return opts["full_state_dict"] and (opts["cpu_offload"] or opts["broadcast_from_rank0"])
+
+
+def _load_options(api_: Any, opts: dict[str, bool]) -> Any:
+    """The options a resume loads with: the saving ones, except that a state dict only
+    rank 0 holds is loaded by broadcast (the other ranks have nothing to load)."""
+    options = api_.StateDictOptions(**opts)
+    if _rank0_holds(opts):
+        options = dataclasses.replace(options, broadcast_from_rank0=True)
+    return options
+
+
+def _set(api_: Any, opts: dict[str, bool], model: Any, given: dict[str, Any]) -> None:
+    options = _load_options(api_, opts)
+    if opts["ignore_frozen_params"] and opts["strict"]:
+        # The frozen parameters are not in the checkpoint: a strict load says so.
+        with pytest.raises(RuntimeError, match=r"Missing key.*ln_f\.weight"):
+            api_.set_state_dict(
+                *model,
+                model_state_dict=given["model"],
+                optim_state_dict=given["optim"],
+                options=options,
+            )
+        options = dataclasses.replace(options, strict=False)
+    result = api_.set_state_dict(
+        *model, model_state_dict=given["model"], optim_state_dict=given["optim"], options=options
+    )
+    if given["model"] and isinstance(model[0], FSDP):
+        # (DDP's model goes to torch's own function, which reports other keys.)
+        missing = ["ln_f.bias", "ln_f.weight"] if opts["ignore_frozen_params"] else []
+        assert sorted(result.missing_keys) == missing, result
+
+
+def _rank_resume_every_combination(root: str, kind: str, via: str) -> list[str]:
+    """Every combination's state dicts go through one ``dcp.save`` and one ``dcp.load``
+    (under a key per combination: DCP's cost is per call, the state dicts are tiny)."""
+    import torch.distributed.checkpoint as dcp
+
+    api_ = api(via)
+    rank = dist.get_rank()
+    reference = build(kind, seed=0)
+    expected = train(*reference, 0, 5)[3:]
+    weights = full_weights(reference[0])
+    trained = build(kind, seed=0)
+    train(*trained, 0, 3)
+    cases = combos()
+    saved: dict[str, Any] = {}
+    for i, opts in enumerate(cases):
+        msd, osd = api_.get_state_dict(*trained, options=api_.StateDictOptions(**opts))
+        if rank == 0 or not _rank0_holds(opts):
+            saved[f"case{i}"] = {"model": msd, "optim": osd}
+    dcp.save(saved, storage_writer=dcp.FileSystemWriter(root, sync_files=False))
+    fresh = [build(kind, seed=9) for _ in cases]
+    loaded: dict[str, Any] = {}
+    for i, (opts, model) in enumerate(zip(cases, fresh, strict=True)):
+        msd, osd = api_.get_state_dict(*model, options=_load_options(api_, opts))
+        if rank == 0 or not _rank0_holds(opts):
+            loaded[f"case{i}"] = {"model": msd, "optim": osd}
+    dcp.load(loaded, checkpoint_id=root)
+    failures = []
+    for i, (opts, model) in enumerate(zip(cases, fresh, strict=True)):
+        _set(api_, opts, model, loaded.get(f"case{i}", {"model": {}, "optim": {}}))
+        losses = train(*model, 3, 5)
+        if losses != expected or not same(full_weights(model[0]), weights):
+            failures.append(f"{opts}: losses {losses} != {expected} or the weights differ")
+    return failures
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("via", ["ckpt", "torch"])
+def test_exact_resume_for_every_option_combination(tmp_path: Path, kind: str, via: str) -> None:
+    results = run_ranks(_rank_resume_every_combination, 2, str(tmp_path), kind, via, timeout=240)
+    assert results[0] == [] and results[1] == [], results
