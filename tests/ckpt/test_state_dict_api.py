@@ -165,3 +165,130 @@ def _rank_resume_every_combination(root: str, kind: str, via: str) -> list[str]:
 def test_exact_resume_for_every_option_combination(tmp_path: Path, kind: str, via: str) -> None:
     results = run_ranks(_rank_resume_every_combination, 2, str(tmp_path), kind, via, timeout=240)
     assert results[0] == [] and results[1] == [], results
+
+
+# --- checkpoints that move between ours and torch's, 2 -> 1 and 2 -> 4 ranks ---------------
+
+
+def _torch_fsdp1(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    model = TorchFSDP(
+        make_net(seed),
+        auto_wrap_policy=ModuleWrapPolicy({Block}),
+        device_id=torch.device("cpu"),  # torch's FSDP1 on CPU (gloo) needs it spelled out
+    )
+    return model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+
+
+def _torch_fsdp2(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    from torch.distributed.fsdp import fully_shard
+
+    model = make_net(seed)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+
+
+def _weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(p, DTensor) for p in model.parameters()):  # fully_shard
+        return {
+            n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+            for n, p in model.named_parameters()
+        }
+    return full_weights(model)
+
+
+def _dcp_save(api_: Any, model: Any, path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    msd, osd = api_.get_state_dict(*model)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(path))
+
+
+def _dcp_load(api_: Any, model: Any, path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    msd, osd = api_.get_state_dict(*model)
+    state = {"model": msd, "optim": osd}
+    # torch's FSDP1 gives a rank whose flat shards are all padding (4 ranks, tiny units)
+    # an optimizer state dict without param groups, which a strict load reports missing.
+    dcp.load(
+        state, checkpoint_id=str(path), planner=dcp.DefaultLoadPlanner(allow_partial_load=True)
+    )
+    api_.set_state_dict(*model, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def _rank_write(root: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """At 2 ranks: the same training written by ours and by torch's, 3 steps each."""
+    import torch.distributed.checkpoint.state_dict as torch_api
+
+    import ckpt
+    from tests.ckpt._wrappers import wrap
+
+    out = Path(root)
+    for name, make in (("torch-fsdp1", _torch_fsdp1), ("torch-fsdp2", _torch_fsdp2)):
+        model = make(0)
+        train(*model, 0, 3)
+        _dcp_save(torch_api, model, out / name)
+    model = wrap("fsdp")
+    train(*model, 0, 3)
+    _dcp_save(ckpt, model, out / "ours-fsdp")
+    ckpt.save({"model": model[0], "optim": model[1]}, out / "ckpt-save")
+    model = wrap("ddp-zero")
+    train(*model, 0, 3)
+    _dcp_save(ckpt, model, out / "ours-zero")
+    model = wrap("fsdp-orig")
+    train(*model, 0, 3)
+    _dcp_save(api("torch"), model, out / "ours-orig")  # torch's function, installed
+    reference = wrap("fsdp")
+    losses = train(*reference, 0, 5)[3:]
+    return losses, full_weights(reference[0])
+
+
+def _rank_read(root: str, expected: tuple[list[float], dict[str, torch.Tensor]]) -> list[str]:
+    """Each checkpoint into each reader of the other side, then 2 more steps."""
+    import torch.distributed.checkpoint.state_dict as torch_api
+
+    import ckpt
+    from tests.ckpt._wrappers import wrap
+
+    losses, weights = expected
+    out = Path(root)
+    results: dict[str, bool] = {}
+
+    def check(name: str, model: Any) -> None:
+        results[name] = train(*model, 3, 5) == losses and same(_weights(model[0]), weights)
+
+    for source in ("ours-fsdp", "ours-orig", "ours-zero"):
+        for reader, make in (("torch FSDP1", _torch_fsdp1), ("fully_shard", _torch_fsdp2)):
+            model = make(9)
+            _dcp_load(torch_api, model, out / source)
+            check(f"{source} -> {reader}", model)
+        model = wrap("fsdp", seed=9)
+        ckpt.load({"model": model[0], "optim": model[1]}, out / source, verify=False)
+        check(f"{source} -> ckpt.load", model)
+    for source in ("torch-fsdp1", "torch-fsdp2", "ckpt-save"):
+        for kind in ("fsdp", "ddp-zero"):
+            model = wrap(kind, seed=9)
+            _dcp_load(ckpt, model, out / source)
+            check(f"{source} -> ours {kind} (ckpt.set_state_dict)", model)
+    # Last: install() puts our FSDP1 under torch's name in this process.
+    installed_api = api("torch")
+    for source in ("torch-fsdp1", "torch-fsdp2", "ckpt-save"):
+        model = wrap("fsdp-orig", seed=9)
+        _dcp_load(installed_api, model, out / source)
+        check(f"{source} -> ours fsdp-orig (torch's set_state_dict, installed)", model)
+    return [name for name, ok in results.items() if not ok] + [f"{len(results)} loads"]
+
+
+@pytest.mark.slow
+def test_checkpoints_move_between_ours_and_torchs_at_other_world_sizes(tmp_path: Path) -> None:
+    expected = run_ranks(_rank_write, 2, str(tmp_path), timeout=120)[0]
+    for world_size in (1, 4):
+        for failures in run_ranks(_rank_read, world_size, str(tmp_path), expected, timeout=240):
+            assert failures == ["18 loads"], (world_size, failures)
