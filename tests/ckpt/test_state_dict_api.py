@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import re
 from pathlib import Path
 from typing import Any
 
@@ -292,3 +293,147 @@ def test_checkpoints_move_between_ours_and_torchs_at_other_world_sizes(tmp_path:
     for world_size in (1, 4):
         for failures in run_ranks(_rank_read, world_size, str(tmp_path), expected, timeout=240):
             assert failures == ["18 loads"], (world_size, failures)
+
+
+# --- mistakes: the same error on every rank, never a hang ------------------------------------
+
+
+def _raises(fn: Any) -> tuple[str, str]:
+    try:
+        fn()
+    except Exception as e:  # the case under test
+        return type(e).__name__, str(e)
+    return "no error", ""
+
+
+def _rank_mistakes(root: str) -> dict[str, tuple[str, str]]:
+    import torch.distributed.checkpoint as dcp
+
+    import ckpt
+    from tests.ckpt._wrappers import wrap
+
+    rank = dist.get_rank()
+    out: dict[str, tuple[str, str]] = {}
+    model, optim = wrap("fsdp")
+    train(model, optim, 0, 1)
+    options = ckpt.StateDictOptions
+    out["broadcast without full"] = _raises(
+        lambda: ckpt.get_state_dict(model, optim, options=options(broadcast_from_rank0=True))
+    )
+    out["options of another type"] = _raises(
+        lambda: ckpt.get_model_state_dict(model, options={"full_state_dict": True})  # type: ignore[arg-type]
+    )
+    msd, osd = ckpt.get_state_dict(model, optim)
+    out["rank 1 passes nothing"] = _raises(
+        lambda: ckpt.set_model_state_dict(model, msd if rank == 0 else {})
+    )
+    full = options(full_state_dict=True, cpu_offload=True)
+    fmsd, fosd = ckpt.get_state_dict(model, optim, options=full)
+    out["rank0-only state loaded without broadcast"] = _raises(
+        lambda: ckpt.set_state_dict(
+            model, optim, model_state_dict=fmsd, optim_state_dict=fosd, options=full
+        )
+    )
+    out["optimizer state keyed by ids"] = _raises(
+        lambda: ckpt.set_optimizer_state_dict(model, optim, optim.state_dict())
+    )
+    lacking = {"state": dict(osd["state"]), "param_groups": osd["param_groups"]}
+    del lacking["state"]["head.weight"]
+    out["strict with a parameter's state missing"] = _raises(
+        lambda: ckpt.set_optimizer_state_dict(model, optim, lacking)
+    )
+    flat = ckpt.get_optimizer_state_dict(
+        model, optim, options=options(flatten_optimizer_state_dict=True)
+    )
+    out["flattened with a foreign key"] = _raises(
+        lambda: ckpt.set_optimizer_state_dict(model, optim, {**flat, "bogus.key": 1})
+    )
+    # Nothing above changed the model: a load that does not raise still resumes.
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=root)
+    ckpt.set_state_dict(model, optim, model_state_dict=msd, optim_state_dict=osd)
+    out["still trains"] = ("no error", str(train(model, optim, 1, 2)))
+    # torch's deprecated optim_input: a warning in torch's words, the same result.
+    from fsdp import FullyShardedDataParallel as FSDP  # noqa: N817
+
+    with pytest.warns(UserWarning, match="The `optim_input` argument is deprecated"):
+        with_input = FSDP.full_optim_state_dict(
+            model, optim, optim_input=list(model.parameters()), rank0_only=False
+        )
+    plain = FSDP.full_optim_state_dict(model, optim, rank0_only=False)
+    out["optim_input"] = ("no error", str(with_input["state"].keys() == plain["state"].keys()))
+    return out
+
+
+def test_mistakes_raise_the_same_error_on_every_rank(tmp_path: Path) -> None:
+    expected = {
+        "broadcast without full": (
+            "ValueError",
+            "full_state_dict must be True when broadcast_from_rank0 is True",
+        ),
+        "options of another type": ("TypeError", "options must be a StateDictOptions"),
+        "rank 1 passes nothing": (
+            "ValueError",
+            "rank 1 passed an empty model state dict and the other ranks did not.*every rank "
+            "loads or none does",
+        ),
+        "rank0-only state loaded without broadcast": (
+            "ValueError",
+            "ranks? 1 passed an empty .* state dict.*broadcast_from_rank0=True",
+        ),
+        "optimizer state keyed by ids": ("ValueError", "keyed by parameter ids.*rekey"),
+        "strict with a parameter's state missing": (
+            "RuntimeError",
+            r"Missing optimizer state for parameter 'head\.weight' in checkpoint.*"
+            r"StateDictOptions\(strict=False\)",
+        ),
+        "flattened with a foreign key": ("ValueError", "'bogus.key' is neither"),
+        "optim_input": ("no error", "True"),
+    }
+    for rank, out in enumerate(run_ranks(_rank_mistakes, 2, str(tmp_path), timeout=120)):
+        for name, (etype, pattern) in expected.items():
+            assert out[name][0] == etype and re.search(pattern, out[name][1], re.S), (
+                rank,
+                name,
+                out[name],
+            )
+        assert out["still trains"][0] == "no error"
+
+
+# --- install(): torch's names hold ckpt's functions, and uninstall() puts torch's back --------
+
+
+def test_install_rebinds_torchs_names_and_uninstall_restores_them() -> None:
+    import sys
+    import types
+
+    import torch.distributed.checkpoint.state_dict as torch_api
+
+    import ckpt
+    import ckpt.torch_compat
+    import fsdp.torch_compat
+    import zero_optim.torch_compat
+
+    torch_get = torch_api.get_state_dict
+    client = types.ModuleType("_client_that_imported_early")
+    client.gsd = (
+        torch_get  # from torch.distributed.checkpoint.state_dict import get_state_dict as gsd
+    )
+    sys.modules[client.__name__] = client
+    assert not ckpt.torch_compat.installed()
+    try:
+        fsdp.torch_compat.install()
+        zero_optim.torch_compat.install()
+        assert torch_api.get_state_dict is ckpt.get_state_dict
+        assert torch_api.set_optimizer_state_dict is ckpt.set_optimizer_state_dict
+        assert client.gsd is ckpt.get_state_dict
+        assert torch_api.StateDictOptions is ckpt.StateDictOptions
+        # One holder leaving keeps them: zero_optim's install still needs them.
+        fsdp.torch_compat.uninstall()
+        assert torch_api.get_state_dict is ckpt.get_state_dict
+        zero_optim.torch_compat.uninstall()
+        assert torch_api.get_state_dict is torch_get and client.gsd is torch_get
+        assert not ckpt.torch_compat.installed()
+    finally:
+        fsdp.torch_compat.uninstall()
+        zero_optim.torch_compat.uninstall()
+        del sys.modules[client.__name__]
