@@ -369,6 +369,14 @@ def _rank_mistakes(root: str) -> dict[str, tuple[str, str]]:
     out["flattened with a foreign key"] = _raises(
         lambda: ckpt.set_optimizer_state_dict(model, optim, {**flat, "bogus.key": 1})
     )
+    # Only rank 0 holds (and nests) a broadcast dict: its error reaches every rank.
+    full_flat = options(
+        full_state_dict=True, broadcast_from_rank0=True, flatten_optimizer_state_dict=True
+    )
+    bad = {**flat, "bogus.key": 1} if rank == 0 else {}
+    out["broadcast flattened with a foreign key"] = _raises(
+        lambda: ckpt.set_optimizer_state_dict(model, optim, bad, options=full_flat)
+    )
     # Nothing above changed the model: a load that does not raise still resumes.
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=root)
     ckpt.set_state_dict(model, optim, model_state_dict=msd, optim_state_dict=osd)
@@ -408,6 +416,7 @@ def test_mistakes_raise_the_same_error_on_every_rank(tmp_path: Path) -> None:
             r"StateDictOptions\(strict=False\)",
         ),
         "flattened with a foreign key": ("ValueError", "'bogus.key' is neither"),
+        "broadcast flattened with a foreign key": ("ValueError", "'bogus.key' is neither"),
         "optim_input": ("no error", "True"),
     }
     for rank, out in enumerate(run_ranks(_rank_mistakes, 2, str(tmp_path), timeout=120)):

@@ -74,6 +74,7 @@ __all__ = [
     "ModelFrontEnd",
     "OptimizerFrontEnd",
     "TorchFunctions",
+    "comm_device",
     "model_front_end",
     "optimizer_front_end",
 ]
@@ -169,9 +170,9 @@ def _keep_whole(name: str, full: Tensor) -> Tensor:
     return full
 
 
-def _comm_device(model: nn.Module) -> torch.device:
-    """Where this rank's object collectives put their bytes: the model's CUDA device
-    under NCCL, the CPU otherwise."""
+def comm_device(model: nn.Module) -> torch.device:
+    """Where this rank's collectives for ``model``'s state dicts put their bytes: the
+    model's CUDA device under NCCL, the CPU otherwise."""
     device = device_of({"model": model})
     if dist.is_initialized() and str(dist.get_backend()) == "nccl" and device is not None:
         return device
@@ -180,7 +181,7 @@ def _comm_device(model: nn.Module) -> torch.device:
 
 def _no_rank_has_state(model: nn.Module, has_state: bool) -> bool:
     comm = Comm.of(None)
-    with on_device(_comm_device(model)):
+    with on_device(comm_device(model)):
         return not any(comm.all_gather(has_state))
 
 

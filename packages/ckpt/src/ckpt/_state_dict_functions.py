@@ -50,7 +50,7 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.nn.modules.module import _IncompatibleKeys
 
-from ckpt._comm import Comm, device_of, on_device
+from ckpt._comm import Comm, on_device
 from ckpt._optim_dict_forms import flatten, is_flattened, merge, split, unflatten
 from ckpt._rank0_broadcast import Path, broadcast_from_rank0
 from ckpt._state_dict_front_ends import (
@@ -58,6 +58,7 @@ from ckpt._state_dict_front_ends import (
     TORCH_FALLBACK,
     Keeper,
     OptimizerFrontEnd,
+    comm_device,
     model_front_end,
     optimizer_front_end,
 )
@@ -249,17 +250,10 @@ def get_state_dict(
 # --- setting ------------------------------------------------------------------------
 
 
-def _comm_device(model: nn.Module) -> torch.device:
-    device = device_of({"model": model})
-    if dist.is_initialized() and str(dist.get_backend()) == "nccl" and device is not None:
-        return device
-    return torch.device("cpu")
-
-
 def _who_passed(model: nn.Module, given: tuple[bool, ...]) -> list[tuple[bool, ...]]:
     """Every rank's ``given`` flags (see [Note: every rank passes a state dict, or only rank 0])."""
     comm = Comm.of(None)
-    with on_device(_comm_device(model)):
+    with on_device(comm_device(model)):
         return comm.all_gather(given)
 
 
@@ -305,19 +299,29 @@ def _load_optims(
     what: str,
 ) -> None:
     groups = [f.param_groups(model, o) for f, o in zip(front_ends, optims, strict=True)]
-    # The flattened form is nested here first (on rank 0 only when it alone has it).
     flattened = bool(state_dict) and is_flattened(state_dict)
-    if flattened and (not options.broadcast_from_rank0 or _rank() == 0):
-        state_dict = merge([unflatten(state_dict, g, what) for g in groups])
-    if options.broadcast_from_rank0:
+
+    def nest() -> bool:
+        """The flattened form nested (the optimizers' groups say how); whether it was."""
+        nonlocal state_dict
+        if flattened:
+            state_dict = merge([unflatten(state_dict, g, what) for g in groups])
+        return flattened
+
+    if not options.broadcast_from_rank0:
+        nest()
+    else:
+        # Only rank 0 has the dict: it nests it, and every rank learns whether it was
+        # flattened, or rank 0's error (see [Note: one decision, every rank] in _comm.py).
+        with on_device(comm_device(model)):
+            flattened = Comm.of(None).run_on_coordinator("nest the optimizer state dict", nest)
         keepers: dict[str, Keeper] = {}
         for front_end, optim, optim_groups in zip(front_ends, optims, groups, strict=True):
             keeper = front_end.optimizer_keeper(model, optim)
             for g in optim_groups:
                 keepers.update(dict.fromkeys(g.names, keeper))
-        flattened = bool(Comm.of(None).broadcast(flattened))
         state_dict = broadcast_from_rank0(
-            state_dict, _keep_optim_value(keepers), _comm_device(model), what
+            state_dict, _keep_optim_value(keepers), comm_device(model), what
         )
     for front_end, optim, optim_groups in zip(front_ends, optims, groups, strict=True):
         # torch checks strictness only for the nested form it is given.
@@ -338,7 +342,7 @@ def _load_model(
     if options.broadcast_from_rank0:
         keep = front_end.model_keeper(model)
         state_dict = broadcast_from_rank0(
-            state_dict, lambda path, t: keep(path[0], t), _comm_device(model), what
+            state_dict, lambda path, t: keep(path[0], t), comm_device(model), what
         )
         options = dataclasses.replace(options, broadcast_from_rank0=False)
     return front_end.load_model_state_dict(model, state_dict, options)
