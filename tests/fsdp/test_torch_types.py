@@ -365,3 +365,220 @@ def test_world_size_one_warns_as_torch() -> None:
             "world size is 1."
         )
     ), out
+
+
+# --- torch's words in our messages -------------------------------------------------------------
+# Code and tests written against torch's FSDP1 match its messages (torch's own tests use
+# assertRaisesRegex on them); ours keep their clearer text and contain torch's words too.
+# Each case runs against torch's FSDP1 and ours; ``phrase`` is what both must contain
+# (torch's message itself where it has no object reprs that differ between the two).
+
+
+def _two_level(cls: Any, **kwargs: Any) -> nn.Module:
+    net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    net[0] = cls(net[0], device_id="cpu", **kwargs)
+    return cls(net, device_id="cpu", **kwargs)
+
+
+def _forward(model: nn.Module) -> None:
+    model(torch.ones(1, 2)).sum().backward()
+
+
+def _apply_in_summon(cls: Any) -> None:
+    model = _two_level(cls)
+    with cls.summon_full_params(model):
+        model.apply(lambda m: None)
+
+
+def _nested_after_forward(cls: Any) -> nn.Module:
+    """The inner instance of a model that ran (so the outer one is the root)."""
+    model = _two_level(cls)
+    _forward(model)
+    return model.module[0]  # type: ignore[no-any-return]
+
+
+def _summon_in_forward(cls: Any) -> None:
+    model = _two_level(cls)
+
+    def hook(*args: Any) -> None:
+        with cls.summon_full_params(model):
+            pass
+
+    model.module[1].register_forward_hook(hook)
+    _forward(model)
+
+
+def _summon_in_summon(cls: Any) -> None:
+    model = _two_level(cls)
+    with cls.summon_full_params(model), cls.summon_full_params(model):
+        pass
+
+
+def _comm_hook_twice(cls: Any) -> None:
+    from torch.distributed.algorithms._comm_hooks import default_hooks
+
+    model = _two_level(cls)
+    state = default_hooks.DefaultState(dist.group.WORLD)
+    model.register_comm_hook(state, default_hooks.reduce_scatter_hook)
+    model.register_comm_hook(state, default_hooks.reduce_scatter_hook)
+
+
+def _comm_hook_nested(cls: Any) -> None:
+    from torch.distributed.algorithms._comm_hooks import default_hooks
+
+    model = _two_level(cls)
+    _forward(model)
+    state = default_hooks.DefaultState(dist.group.WORLD)
+    model.module[0].register_comm_hook(state, default_hooks.reduce_scatter_hook)
+
+
+def _mixed_use_orig_params(cls: Any) -> None:
+    net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    net[0] = cls(net[0], device_id="cpu", use_orig_params=True)
+    _forward(cls(net, device_id="cpu", use_orig_params=False))
+
+
+def _settings_differ(cls: Any) -> None:
+    model = _two_level(cls)
+    cls.set_state_dict_type(model.module[0], tfsdp.StateDictType.SHARDED_STATE_DICT)
+    cls.get_state_dict_type(model)
+
+
+def _rekey_mixed_keys(cls: Any) -> None:
+    model = _two_level(cls)
+    osd = {"state": {0: {}, "1.weight": {}}, "param_groups": []}
+    cls.rekey_optim_state_dict(osd, tfsdp.OptimStateKeyType.PARAM_NAME, model)
+
+
+def _ignored_mixed(cls: Any) -> None:
+    net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    cls(net, device_id="cpu", ignored_states=[net[0], net[1].weight])
+
+
+MESSAGE_CASES: dict[str, tuple[Any, str]] = {
+    "apply() inside summon_full_params()": (
+        _apply_in_summon,
+        r"expected to be in states \[.*IDLE.*\] but current state is .*SUMMON_FULL_PARAMS",
+    ),
+    "no_sync() on a nested instance": (
+        lambda cls: _nested_after_forward(cls).no_sync().__enter__(),
+        re.escape(
+            "`no_sync()` on inner FSDP instances is not supported. Please call `no_sync()` on "
+            "root FSDP module."
+        ),
+    ),
+    "clip_grad_norm_() on a nested instance": (
+        lambda cls: _nested_after_forward(cls).clip_grad_norm_(1.0),
+        re.escape("`clip_grad_norm_()` should only be called on the root FSDP instance"),
+    ),
+    "summon_full_params() inside forward": (
+        _summon_in_forward,
+        "Cannot manually unshard parameters during forward/backward",
+    ),
+    "summon_full_params() inside summon_full_params()": (
+        _summon_in_summon,
+        "Cannot manually unshard parameters when already unsharding parameters",
+    ),
+    "summon rank0_only with writeback": (
+        lambda cls: cls.summon_full_params(
+            _two_level(cls), rank0_only=True, writeback=True
+        ).__enter__(),
+        "writeback=True and rank0_only=True is not supported yet",
+    ),
+    "summon with_grads without use_orig_params": (
+        lambda cls: cls.summon_full_params(_two_level(cls), with_grads=True).__enter__(),
+        "with_grads=True, use_orig_params=False, offload_to_cpu=False is not supported yet",
+    ),
+    "register_comm_hook twice": (_comm_hook_twice, "A communication hook is already registered"),
+    "register_comm_hook on a nested instance": (
+        _comm_hook_nested,
+        r"^register_comm_hook can only be called on a root instance\.$",  # torch's test: ^...$
+    ),
+    "register_comm_hook(hook=3)": (
+        lambda cls: _two_level(cls).register_comm_hook(None, 3),
+        "The communication hook must be callable but got 3",
+    ),
+    "param_init_fn=42": (
+        lambda cls: cls(nn.Linear(2, 2, device="meta"), param_init_fn=42, device_id="cpu"),
+        "Expected 42 to be callable but got <class 'int'>",
+    ),
+    "use_orig_params mixed": (
+        _mixed_use_orig_params,
+        "Expects one homogeneous value for _use_orig_params but got",
+    ),
+    "ignored_modules and ignored_states": (
+        lambda cls: cls(nn.Linear(2, 2), device_id="cpu", ignored_modules=[], ignored_states=[]),
+        "Cannot pass both ignored_modules and ignored_states at the same time",
+    ),
+    "ignored_states mixing parameters and modules": (
+        _ignored_mixed,
+        "ignored_states expects all nn.Parameter or all nn.Module list elements but got types",
+    ),
+    "ignored_modules=[3]": (
+        lambda cls: cls(nn.Linear(2, 2), device_id="cpu", ignored_modules=[3]),
+        re.escape("ignored_modules expects nn.Module list elements but got types [<class 'int'>]"),
+    ),
+    "ignored_modules holding an FSDP instance": (
+        lambda cls: cls(
+            _two_level(cls).module, device_id="cpu", ignored_modules=[_two_level(cls).module[0]]
+        ),
+        "`ignored_modules` should not include FSDP modules",
+    ),
+    "state-dict config of another type": (
+        lambda cls: cls.set_state_dict_type(
+            _two_level(cls), tfsdp.StateDictType.LOCAL_STATE_DICT, tfsdp.FullStateDictConfig()
+        ),
+        "Expected state_dict_config of type <class '.*LocalStateDictConfig'> but got "
+        "<class '.*FullStateDictConfig'>",
+    ),
+    "state-dict settings differ between instances": (
+        _settings_differ,
+        "All FSDP modules must have the same state dict settings",
+    ),
+    "rekey_optim_state_dict with mixed keys": (
+        _rekey_mixed_keys,
+        re.escape("Invalid parameter keys: dict_keys([0, '1.weight'])"),
+    ),
+}
+
+
+def _messages_rank() -> dict[str, list[tuple[str, str]]]:
+    """case -> [(torch's exception type, message), (ours)]."""
+    out: dict[str, list[tuple[str, str]]] = {}
+    for name, (call, _) in MESSAGE_CASES.items():
+        out[name] = []
+        for cls in (tfsdp.FullyShardedDataParallel, FSDP):
+            try:
+                call(cls)
+                out[name].append(("no error", ""))
+            except Exception as e:  # the case under test
+                assert isinstance(e, Exception)
+                out[name].append((f"{type(e).__module__}.{type(e).__qualname__}", str(e)))
+                mro = [f"{c.__module__}.{c.__qualname__}" for c in type(e).__mro__]
+                out[name][-1] = (";".join(mro), str(e))
+        dist.barrier()
+    # torch's warning for ignoring the root module, and for clipping without gradients.
+    for cls in (tfsdp.FullyShardedDataParallel, FSDP):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            net = nn.Linear(2, 2)
+            cls(net, device_id="cpu", ignored_modules=[net])
+        text = ";".join(str(w.message) for w in caught if w.category is UserWarning)
+        out.setdefault("ignoring the root warns", []).append(("UserWarning", text))
+    return out
+
+
+def test_messages_carry_torchs_words() -> None:
+    for out in run_ranks(_messages_rank, 2, timeout=120):
+        for name, (theirs, ours) in out.items():
+            phrase = (
+                "Trying to ignore the top-level module passed into the FSDP constructor itself "
+                "will result in all parameters being ignored and is not well-supported"
+                if name == "ignoring the root warns"
+                else MESSAGE_CASES[name][1]
+            )
+            assert re.search(phrase, theirs[1]), (name, "torch's own message changed", theirs)
+            assert re.search(phrase, ours[1]), (name, ours, "lacks", phrase)
+            # Ours is torch's exception type or a subclass of it.
+            their_type = theirs[0].split(";")[0]
+            assert their_type in ours[0].split(";"), (name, theirs[0], ours[0])

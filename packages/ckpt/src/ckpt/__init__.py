@@ -7,7 +7,10 @@ by one atomic rename after all ranks finish, with a manifest of checksums that
 checks the manifest). ``CheckpointManager`` keeps step-numbered checkpoints for a
 training loop; ``load_pretrained`` fills a sharded model from safetensors weights
 shard by shard; the ``ckpt`` program (``python -m ckpt``) lists, inspects, verifies
-and exports checkpoints. See the package README.
+and exports checkpoints. ``get_state_dict``/``set_state_dict`` and the rest of
+``torch.distributed.checkpoint.state_dict``'s API work on our wrappers too
+(``ckpt.torch_compat.install()`` puts them under torch's names). See the package
+README.
 """
 
 from ckpt._adapters import register_builtin_adapters
@@ -40,6 +43,15 @@ from ckpt._manifest import MANIFEST_NAME, Checksum, FileRecord, Manifest
 from ckpt._optim_state import load_optim_state_dict, optim_state_dict
 from ckpt._pretrained import PretrainedLoad, load_pretrained
 from ckpt._state import StateAdapter, StateContext, Stateful, register_adapter
+from ckpt._state_dict_functions import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+    set_state_dict,
+)
 from ckpt._state_dict_type import get_state_dict_type, set_state_dict_type, state_dict_type
 from ckpt._version import __version__
 from flatparam import CollectiveError, RankDisagreementError
@@ -91,12 +103,16 @@ __all__ = [
     "StateContext",
     "StateDictConfig",
     "StateDictMismatchError",
+    "StateDictOptions",
     "StateDictSettings",
     "StateDictType",
     "Stateful",
     "UnsafeCheckpointError",
     "__version__",
     "async_save",
+    "get_model_state_dict",
+    "get_optimizer_state_dict",
+    "get_state_dict",
     "get_state_dict_type",
     "load",
     "load_optim_state_dict",
@@ -104,6 +120,9 @@ __all__ = [
     "optim_state_dict",
     "register_adapter",
     "save",
+    "set_model_state_dict",
+    "set_optimizer_state_dict",
+    "set_state_dict",
     "set_state_dict_type",
     "state_dict_type",
     "verify",

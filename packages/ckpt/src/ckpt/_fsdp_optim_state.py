@@ -33,6 +33,7 @@ with the same model and optimizer. Units are visited in the same order everywher
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -60,6 +61,7 @@ __all__ = [
     "load_fsdp_optim_state_dict",
     "optim_state_dict",
     "optim_state_dict_to_load",
+    "param_names_by_group",
     "rekey_optim_state_dict",
     "scatter_full_optim_state_dict",
     "shard_full_optim_state_dict",
@@ -113,6 +115,18 @@ def _slot_of(slots: Mapping[int, _Slot], p: Tensor) -> _Slot:
             "(after wrapping)"
         )
     return slot
+
+
+def param_names_by_group(
+    model: nn.Module, optim: torch.optim.Optimizer
+) -> list[list[tuple[str, bool]]]:
+    """Per parameter group of ``optim``: (FQN, requires_grad) of each original parameter
+    it steps, a FlatParameter counting for each parameter it holds, in flat order."""
+    slots = _slots(model)
+    return [
+        [(fqn, p.requires_grad) for p in ps for fqn in _slot_of(slots, p).fqns()]
+        for ps in _optim_params(optim)
+    ]
 
 
 def _is_flat_state(value: Any, unit: FlatUnit) -> bool:
@@ -261,9 +275,10 @@ def _flat_state_of_unit(
         return None
     if not all(present):
         lacking = [e.fqn for e, ok in zip(unit.params, present, strict=True) if not ok]
-        raise ValueError(
-            f"{what}: the optimizer state dict has state for some parameters of a unit but "
-            f"not for {lacking}; it is not from this model"
+        raise ValueError(  # torch's words first: its tests match them from the start
+            "All unflattened parameters comprising a single flat parameter must have scalar "
+            f"state with the same value and dtype, but {what} finds state for some parameters "
+            f"of a unit and none for {lacking}: the optimizer state dict is not from this model"
         )
     states = [named_state[e.fqn] for e in unit.params]
     keys = list(states[0])
@@ -474,7 +489,7 @@ def full_optim_state_dict(
     group: Any = None,
 ) -> dict[str, Any]:
     """The full FQN-keyed optimizer state on the CPU (rank 0 only by default)."""
-    _no_optim_input(optim_input)
+    _with_optim_input(optim_input, optim)
     return fsdp_optim_state_dict(model, optim, sharded=False, rank0_only=rank0_only)
 
 
@@ -492,8 +507,8 @@ def shard_full_optim_state_dict(
     optim: torch.optim.Optimizer | None = None,
 ) -> dict[str, Any]:
     """This rank's flat optimizer state dict from a full one held by every rank."""
-    _no_optim_input(optim_input)
-    target = optim if optim is not None else _model_order_optimizer(model)
+    given = _with_optim_input(optim_input, optim)
+    target = given if given is not None else _model_order_optimizer(model)
     return load_fsdp_optim_state_dict(model, target, full_optim_state_dict)
 
 
@@ -508,7 +523,7 @@ def scatter_full_optim_state_dict(
 
     Rank 0 broadcasts it (as one pickled object) and every rank keeps its shard.
     """
-    _no_optim_input(optim_input)
+    optim = _with_optim_input(optim_input, optim)
     box = [full_optim_state_dict if dist.get_rank(group) == 0 else None]
     src = dist.get_global_rank(group, 0) if group else 0
     with on_device(device_of({"model": model})):  # the model's device, not the current one
@@ -542,13 +557,16 @@ def rekey_optim_state_dict(
     a round trip (Lightning's Trainer saves by id) loses nothing. Use it to move a
     full state dict between an fsdp model and an unwrapped one.
     """
-    _no_optim_input(optim_input)
+    optim = _with_optim_input(optim_input, optim)
     optim_state_key_type = to_fsdp_type(
         optim_state_key_type, OptimStateKeyType, "optim_state_key_type"
     )
     keys = list(optim_state_dict["state"])
     if any(type(k) is not type(keys[0]) for k in keys):
-        raise ValueError(f"the state dict mixes key types: {keys[:10]}")
+        raise ValueError(
+            f"Invalid parameter keys: {optim_state_dict['state'].keys()}: the state dict mixes "
+            "parameter names and ids; key it by one of them"
+        )
     want_names = optim_state_key_type is OptimStateKeyType.PARAM_NAME
     if not keys or isinstance(keys[0], str) == want_names:
         return optim_state_dict
@@ -576,12 +594,22 @@ def rekey_optim_state_dict(
     return {"state": state, "param_groups": groups}
 
 
-def _no_optim_input(optim_input: Any) -> None:
-    if optim_input is not None:
-        raise ValueError(
-            "optim_input is deprecated (torch removed it) and not supported: pass optim= or "
-            "nothing (the model's parameters in order)"
-        )
+def _with_optim_input(
+    optim_input: Any, optim: torch.optim.Optimizer | None
+) -> torch.optim.Optimizer | None:
+    """torch's deprecated ``optim_input`` (the optimizer's parameters or groups), warned
+    about in torch's words. Like ``optim``, it only says how the optimizer orders its
+    parameters, so without ``optim`` a stand-in optimizer over it takes that role."""
+    if optim_input is None:
+        return optim
+    warnings.warn(
+        "The `optim_input` argument is deprecated and will be removed after PyTorch 1.13. "
+        "You may remove it from your code without changing its functionality.",
+        stacklevel=3,
+    )
+    if optim is not None:
+        return optim
+    return torch.optim.SGD(list(optim_input), lr=0.0)
 
 
 def _model_order_optimizer(model: nn.Module) -> torch.optim.Optimizer:

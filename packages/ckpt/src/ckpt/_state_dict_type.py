@@ -43,6 +43,11 @@ class _ConfigMismatchError(TypeError, RuntimeError):
     raised ``TypeError``; both catch it."""
 
 
+class _SettingsMismatchError(RuntimeError, AssertionError):
+    """FSDP instances of one model with different state-dict settings: torch's FSDP
+    raises ``AssertionError`` (documented), ours raised ``RuntimeError``; both catch it."""
+
+
 def _default_settings() -> StateDictSettings:
     return StateDictSettings(
         StateDictType.FULL_STATE_DICT, FullStateDictConfig(), FullOptimStateDictConfig()
@@ -77,12 +82,14 @@ def set_state_dict_type(
     if type(config) is not config_cls:
         raise _ConfigMismatchError(
             f"{state_dict_type.name} takes a {config_cls.__name__} as state_dict_config, got "
-            f"{type(config).__name__}"
+            f"{type(config).__name__} (Expected state_dict_config of type {config_cls} but got "
+            f"{type(config)}, in torch's words)"
         )
     if type(optim_config) is not optim_cls:
         raise _ConfigMismatchError(
             f"{state_dict_type.name} takes a {optim_cls.__name__} as optim_state_dict_config, "
-            f"got {type(optim_config).__name__}"
+            f"got {type(optim_config).__name__} (Expected optim_state_dict_config of type "
+            f"{optim_cls} but got {type(optim_config)}, in torch's words)"
         )
     previous = get_state_dict_type(module)
     for instance in FullyShardedDataParallel.fsdp_modules(module):
@@ -95,8 +102,8 @@ def set_state_dict_type(
 def get_state_dict_type(module: nn.Module) -> StateDictSettings:
     """The state-dict setting of the FSDP instances in ``module`` (FULL if it has none).
 
-    Raises ``RuntimeError`` if the instances disagree (a setting made on a nested
-    instance only); select the type on the root module instead.
+    Raises an ``AssertionError`` (also a ``RuntimeError``) if the instances disagree (a
+    setting made on a nested instance only); select the type on the root module instead.
     """
     found: StateDictSettings | None = None
     for instance in FullyShardedDataParallel.fsdp_modules(module):
@@ -108,9 +115,10 @@ def get_state_dict_type(module: nn.Module) -> StateDictSettings:
         if found is None:
             found = mine
         elif mine != found:
-            raise RuntimeError(
-                f"the FSDP instances in this model have different state-dict settings "
-                f"({found} and {mine}); call set_state_dict_type on the root module"
+            raise _SettingsMismatchError(
+                f"All FSDP modules must have the same state dict settings. Got {mine} and "
+                f"{found}: a setting was made on a nested instance only; call "
+                "set_state_dict_type on the root module"
             )
     return _default_settings() if found is None else found
 

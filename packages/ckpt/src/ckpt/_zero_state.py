@@ -28,7 +28,12 @@ from ckpt._chunks import full_value
 from fsdp import unwrapped_name
 from zero_optim import ZeroRedundancyOptimizer
 
-__all__ = ["load_zero_optim_state_dict", "param_names", "zero_optim_state_dict"]
+__all__ = [
+    "load_zero_optim_state_dict",
+    "names_by_group",
+    "param_names",
+    "zero_optim_state_dict",
+]
 
 
 def param_names(model: nn.Module) -> dict[int, str]:
@@ -40,7 +45,8 @@ def param_names(model: nn.Module) -> dict[int, str]:
     }
 
 
-def _names_of(model: nn.Module, zero: ZeroRedundancyOptimizer) -> list[list[str]]:
+def names_by_group(model: nn.Module, zero: torch.optim.Optimizer) -> list[list[str]]:
+    """Per parameter group of ``zero`` (any optimizer over ``model``): its parameters' FQNs."""
     names = param_names(model)
     out: list[list[str]] = []
     for group in zero.param_groups:
@@ -48,7 +54,7 @@ def _names_of(model: nn.Module, zero: ZeroRedundancyOptimizer) -> list[list[str]
         for p in group["params"]:
             if id(p) not in names:
                 raise ValueError(
-                    f"the ZeroRedundancyOptimizer holds a parameter of shape {tuple(p.shape)} that "
+                    f"the {type(zero).__name__} holds a parameter of shape {tuple(p.shape)} that "
                     "is not a parameter of the model; pass the model it was built from"
                 )
             row.append(names[id(p)])
@@ -101,7 +107,7 @@ def zero_optim_state_dict(
     ``full`` gathers every rank's part (a collective; with ``rank0_only`` only rank 0
     receives it and other ranks return ``{}``).
     """
-    names = _names_of(model, zero)
+    names = names_by_group(model, zero)
     device = torch.device("cpu") if (offload_to_cpu or full) else None
     mine: dict[str, dict[str, Any]] = {}
     by_id = {
@@ -138,7 +144,7 @@ def load_zero_optim_state_dict(
             "expected an optimizer state dict with 'state' and 'param_groups' keyed by "
             "parameter names"
         )
-    names = _names_of(model, zero)
+    names = names_by_group(model, zero)
     saved_groups = named["param_groups"]
     if len(saved_groups) != len(names):
         raise ValueError(

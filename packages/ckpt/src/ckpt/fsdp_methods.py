@@ -12,6 +12,9 @@ ckpt keeps stable across its 0.1.x releases, exactly as ckpt reads fsdp only thr
 * The implementations of FSDP's state-dict-type and optimizer-state static methods,
   with torch's FSDP1 signatures (``FSDP.optim_state_dict(model, optim, ...)`` and the
   rest); ckpt's own ``ckpt.optim_state_dict`` is the wrapper-agnostic form.
+* ``install_state_dict_functions`` / ``uninstall_state_dict_functions``: what
+  ``fsdp.torch_compat.install()`` and ``zero_optim.torch_compat.install()`` call to put
+  ckpt's ``get_state_dict`` family under torch's names (:mod:`ckpt.torch_compat`).
 """
 
 from __future__ import annotations
@@ -28,11 +31,14 @@ from ckpt._fsdp_optim_state import (
     sharded_optim_state_dict,
 )
 from ckpt._state_dict_type import get_state_dict_type, set_state_dict_type, state_dict_type
+from ckpt.torch_compat import install as install_state_dict_functions
+from ckpt.torch_compat import uninstall as uninstall_state_dict_functions
 
 __all__ = [
     "flatten_sharded_optim_state_dict",
     "full_optim_state_dict",
     "get_state_dict_type",
+    "install_state_dict_functions",
     "optim_state_dict",
     "optim_state_dict_to_load",
     "post_state_dict",
@@ -44,4 +50,5 @@ __all__ = [
     "shard_full_optim_state_dict",
     "sharded_optim_state_dict",
     "state_dict_type",
+    "uninstall_state_dict_functions",
 ]

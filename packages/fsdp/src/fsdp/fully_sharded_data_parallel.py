@@ -55,6 +55,11 @@ from fsdp.wrap import CustomPolicy, ModuleWrapPolicy, _auto_wrap
 __all__ = ["FullyShardedDataParallel"]
 
 
+class _CommHookError(RuntimeError, AssertionError):
+    """A refused ``register_comm_hook``: torch's FSDP raises ``AssertionError``, ours raised
+    ``RuntimeError``; both catch it."""
+
+
 class FullyShardedDataParallel(nn.Module):
     """Shard a module's parameters, gradients and optimizer state across ranks.
 
@@ -227,8 +232,9 @@ class FullyShardedDataParallel(nn.Module):
             )
         auto_wrap_policy = to_fsdp_policy(auto_wrap_policy)
         if param_init_fn is not None and not callable(param_init_fn):
-            raise ValueError(  # torch's type for this mistake
-                f"param_init_fn must be a callable (module) -> None, got {param_init_fn!r}"
+            raise ValueError(  # torch's type and words for this mistake
+                f"Expected {param_init_fn!r} to be callable but got {type(param_init_fn)}: "
+                "param_init_fn must be a callable (module) -> None"
             )
         device_id = _init.normalize_device_id(device_id)
         ignored = resolve_ignored(module, ignored_modules, ignored_states, _is_fsdp)
@@ -499,13 +505,13 @@ class FullyShardedDataParallel(nn.Module):
 
     # --- gradients ------------------------------------------------------------------------------
 
-    def _require_root(self, what: str) -> FSDPState:
+    def _require_root(self, what: str, torch_words: str) -> FSDPState:
         state = self._fsdp_state
         state.lazy_init()
         if not state.is_root:
             raise RuntimeError(
-                f"{what} must be called on the root FSDP instance (the outermost one), not on a "
-                "nested one: it acts on the whole tree"
+                f"{torch_words}: this FSDP instance is nested in another, and {what} acts on "
+                "the whole tree; call it on the outermost FSDP instance"
             )
         state.assert_state(TrainingState.IDLE, what)
         return state
@@ -520,7 +526,11 @@ class FullyShardedDataParallel(nn.Module):
         offload the accumulated gradients stay on the compute device until
         that reduction.
         """
-        state = self._require_root("no_sync()")
+        state = self._require_root(
+            "no_sync()",
+            "`no_sync()` on inner FSDP instances is not supported. Please call `no_sync()` on "
+            "root FSDP module.",
+        )
         ctx = state.ctx
         assert ctx is not None
         previous = [(s, s.sync_gradients) for s in ctx.states]
@@ -541,7 +551,10 @@ class FullyShardedDataParallel(nn.Module):
         this rank's shards). Call on the root instance, on every rank (it
         communicates), after backward. Supports any p-norm and ``inf``.
         """
-        state = self._require_root("clip_grad_norm_()")
+        state = self._require_root(
+            "clip_grad_norm_()",
+            "`clip_grad_norm_()` should only be called on the root FSDP instance",
+        )
         ctx = state.ctx
         assert ctx is not None
         sharded: list[torch.Tensor] = []
@@ -594,21 +607,25 @@ class FullyShardedDataParallel(nn.Module):
         """
         root = self._fsdp_state
         root.lazy_init()
-        if not root.is_root:
-            raise RuntimeError("register_comm_hook can only be called on the root FSDP instance")
+        if not root.is_root:  # torch's text exactly: its tests match it from ^ to $
+            raise _CommHookError("register_comm_hook can only be called on a root instance.")
         if not callable(hook):
-            raise ValueError(f"the communication hook must be callable, got {hook!r}")
+            raise ValueError(f"The communication hook must be callable but got {hook!r}")
         from torch.distributed.algorithms._comm_hooks import LOW_PRECISION_HOOKS
 
         ctx = root.ctx
         assert ctx is not None
         for s in ctx.states:
             if s.comm_hook is not None:
-                raise RuntimeError("a communication hook is already registered on this FSDP tree")
+                raise _CommHookError(
+                    "A communication hook is already registered (on this FSDP tree; register "
+                    "one hook, once, on the root)"
+                )
             if s.unit is not None and s.unit.config.replicate_group is not None:
-                raise RuntimeError(
-                    "communication hooks are not supported with hybrid sharding (HYBRID_SHARD, "
-                    "_HYBRID_SHARD_ZERO2), as in torch's FSDP: the hook would replace only the "
+                raise _CommHookError(
+                    "Communication hook is not supported for hybrid strategies: "
+                    f"{self.sharding_strategy} (HYBRID_SHARD and _HYBRID_SHARD_ZERO2, as in "
+                    "torch's FSDP): the hook would replace only the "
                     "reduce-scatter inside the shard group, not the all-reduce across replicas. "
                     "Use FULL_SHARD/SHARD_GRAD_OP with a hook, or hybrid sharding without one"
                 )

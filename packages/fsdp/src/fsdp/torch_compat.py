@@ -19,6 +19,11 @@ Patching a library's imports this way is common practice (Liger-Kernel's
 ``apply_liger_kernel_to_*`` does it for transformers). It is the one place in this
 package that imports torch's FSDP modules, and only to replace names in them.
 
+With the ``ckpt`` package installed, :func:`install` also puts ckpt's
+``get_state_dict`` family under torch's names in ``torch.distributed.checkpoint.
+state_dict`` (see ``ckpt.torch_compat``): torch's own functions would look for torch's
+private FSDP state on our class. Without ckpt they stay torch's.
+
 What stays torch's: torch's own internals, which bound torch's classes when
 ``torch.distributed.fsdp`` was first imported (this module imports it before
 patching, so that is always before), and FSDP2's private modules (``_fsdp_param``,
@@ -29,7 +34,12 @@ patching, so that is always before), and FSDP2's private modules (``_fsdp_param`
 from __future__ import annotations
 
 import importlib
+from types import ModuleType
 from typing import Any
+
+# torch's state-dict functions bind torch's FSDP1 class when first imported: before
+# install() puts ours under its name, so that they keep serving torch's own FSDP1.
+import torch.distributed.checkpoint.state_dict  # noqa: F401
 
 import fsdp
 from fsdp import sharded_grad_scaler, wrap
@@ -115,6 +125,17 @@ def installed() -> bool:
     return bool(_saved)
 
 
+def _ckpt_hand_over() -> ModuleType | None:
+    """ckpt's hand-over module if ckpt (with the state-dict functions) is installed."""
+    try:
+        module = importlib.import_module("ckpt.fsdp_methods")
+    except ModuleNotFoundError as e:
+        if e.name not in ("ckpt", "ckpt.fsdp_methods"):
+            raise
+        return None
+    return module if hasattr(module, "install_state_dict_functions") else None
+
+
 def install() -> None:
     """Put our FSDP classes, option types, wrap policies and scaler under torch's names.
 
@@ -123,6 +144,9 @@ def install() -> None:
     """
     if _saved:
         return
+    ckpt = _ckpt_hand_over()
+    if ckpt is not None:
+        ckpt.install_state_dict_functions("fsdp")
     replacements = _replacements()
     # Import every module first: one imported after another was patched would copy our
     # objects into its namespace (torch.distributed._composable.fsdp re-exports
@@ -143,4 +167,8 @@ def uninstall() -> None:
             module.__dict__.pop(name, None)
         else:
             setattr(module, name, original)
+    if _saved:
+        ckpt = _ckpt_hand_over()
+        if ckpt is not None:
+            ckpt.uninstall_state_dict_functions("fsdp")
     _saved.clear()

@@ -10,6 +10,11 @@ importing them afterwards (or inside its functions) gets ours::
 
     zero_optim.torch_compat.install()  # before importing the library
 
+With the ``ckpt`` package installed, it also puts ckpt's ``get_state_dict`` family
+under torch's names in ``torch.distributed.checkpoint.state_dict`` (see
+``ckpt.torch_compat``), so that torch's state-dict functions give and take a sharded,
+FQN-keyed state of our optimizer too; without ckpt they stay torch's.
+
 The one place in this package that imports torch's ZeRO modules, only to replace
 names in them. torch's internals keep torch's classes (they bound them at import,
 which this module triggers before patching). :func:`uninstall` puts torch's objects
@@ -19,6 +24,7 @@ back; both are idempotent.
 from __future__ import annotations
 
 import importlib
+from types import ModuleType
 from typing import Any
 
 import zero_optim
@@ -49,10 +55,24 @@ def installed() -> bool:
     return bool(_saved)
 
 
+def _ckpt_hand_over() -> ModuleType | None:
+    """ckpt's hand-over module if ckpt (with the state-dict functions) is installed."""
+    try:
+        module = importlib.import_module("ckpt.fsdp_methods")
+    except ModuleNotFoundError as e:
+        if e.name not in ("ckpt", "ckpt.fsdp_methods"):
+            raise
+        return None
+    return module if hasattr(module, "install_state_dict_functions") else None
+
+
 def install() -> None:
     """Put our ZeRO optimizer and DDP comm hooks under torch's names. Idempotent."""
     if _saved:
         return
+    ckpt = _ckpt_hand_over()
+    if ckpt is not None:
+        ckpt.install_state_dict_functions("zero_optim")
     for module_name, names in _replacements().items():
         module = importlib.import_module(module_name)
         for name, obj in names.items():
@@ -68,4 +88,8 @@ def uninstall() -> None:
             module.__dict__.pop(name, None)
         else:
             setattr(module, name, original)
+    if _saved:
+        ckpt = _ckpt_hand_over()
+        if ckpt is not None:
+            ckpt.uninstall_state_dict_functions("zero_optim")
     _saved.clear()

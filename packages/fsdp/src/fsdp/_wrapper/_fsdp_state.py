@@ -153,8 +153,9 @@ class FSDPState:
             }[self.training_state]
             raise TrainingStateError(
                 f"{what} needs the FSDP instance in state "
-                f"{' or '.join(s.name for s in allowed_t)}, but {hint} "
-                f"(state {self.training_state.name})"
+                f"{' or '.join(s.name for s in allowed_t)}, but {hint} (expected to be in "
+                f"states {[s.name for s in allowed_t]} but current state is "
+                f"{self.training_state.name}, in torch's words)"
             )
 
     # --- lazy initialisation ----------------------------------------------------------------
@@ -185,7 +186,8 @@ class FSDPState:
         kinds = {s.unit.orig is not None for s in states if s.unit is not None}
         if len(kinds) > 1:
             raise ValueError(
-                "the FSDP instances of this model mix use_orig_params=True and False; pass the "
+                "the FSDP instances of this model mix use_orig_params=True and False (Expects "
+                f"one homogeneous value for _use_orig_params but got {sorted(kinds)}); pass the "
                 "same use_orig_params to every instance (auto_wrap_policy does that for you)"
             )
         check_ranks_agree(states)  # [Note: agreement step] in flatparam

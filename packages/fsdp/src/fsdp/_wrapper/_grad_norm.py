@@ -33,8 +33,8 @@ def local_grad_norm(grads: Iterable[Tensor], norm_type: float, device: torch.dev
     dtypes = {g.dtype for g in grads}
     if len(dtypes) != 1:
         raise ValueError(
-            "clip_grad_norm_ needs one gradient dtype across parameters, got "
-            f"{sorted(map(str, dtypes))}"
+            "clip_grad_norm_: Requires uniform dtype across all gradients but got "
+            f"{sorted(map(str, dtypes))}; give every parameter of the model one dtype"
         )
     norms = [
         torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.float32).to(device)
@@ -90,7 +90,7 @@ def clip_grad_norm_(
         # The wording of torch's FSDP warning, which code may match on.
         rank = dist.get_rank(group)  # type: ignore[arg-type]
         warnings.warn(
-            f"FSDP.clip_grad_norm_() called on rank {rank} with no gradients -- returning the "
+            f"Called FSDP.clip_grad_norm_() on rank {rank} with no gradients -- returning the "
             f"total norm in the default dtype {total.dtype}",
             stacklevel=3,
         )

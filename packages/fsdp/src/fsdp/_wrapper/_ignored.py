@@ -39,7 +39,8 @@ class IgnoredStates:
 
 
 class _NotModulesError(TypeError, ValueError):
-    """torch's FSDP raises ``ValueError`` for this; ours raised ``TypeError``."""
+    """Elements of the wrong kind in ignored_modules/ignored_states: torch's FSDP raises
+    ``ValueError``, ours raised ``TypeError``."""
 
 
 def _as_list(value: Iterable[Any], name: str) -> list[Any]:
@@ -68,8 +69,9 @@ def resolve_ignored(
     """
     if ignored_modules is not None and ignored_states is not None:
         raise ValueError(
-            "pass either ignored_modules= or ignored_states= to FullyShardedDataParallel, not "
-            "both; ignored_states accepts modules too (ignored_states=[*modules])"
+            "Cannot pass both ignored_modules and ignored_states at the same time: pass one of "
+            "them to FullyShardedDataParallel; ignored_states accepts modules too "
+            "(ignored_states=[*modules])"
         )
     roots: list[nn.Module] = []
     params: list[nn.Parameter] = []
@@ -80,27 +82,34 @@ def resolve_ignored(
         elif all(isinstance(s, nn.Module) for s in states):
             roots = states
         else:
-            kinds = sorted({type(s).__name__ for s in states})
-            raise TypeError(
-                "ignored_states must hold only nn.Parameters or only nn.Modules, got "
-                f"{kinds}; pass the modules' parameters (list(m.parameters())) or the modules"
+            kinds = sorted({type(s) for s in states}, key=str)
+            raise _NotModulesError(
+                "ignored_states expects all nn.Parameter or all nn.Module list elements but got "
+                f"types {kinds}; pass the modules' parameters (list(m.parameters())) or the "
+                "modules"
             )
     elif ignored_modules is not None:
         roots = _as_list(ignored_modules, "ignored_modules")
-        bad = sorted({type(m).__name__ for m in roots if not isinstance(m, nn.Module)})
+        bad = sorted({type(m) for m in roots if not isinstance(m, nn.Module)}, key=str)
         if bad:
-            raise _NotModulesError(f"ignored_modules must hold nn.Modules, got {bad}")
+            raise _NotModulesError(
+                f"ignored_modules expects nn.Module list elements but got types {bad}; pass "
+                "parameters as ignored_states="
+            )
     wrapped = [type(m).__name__ for m in roots if is_fsdp(m)]
     if wrapped:
         raise ValueError(
-            "ignored_modules/ignored_states must not contain FullyShardedDataParallel "
-            f"instances ({wrapped}): an FSDP instance manages its own parameters. Ignore the "
-            "module it wraps before wrapping it, or do not wrap it"
+            "`ignored_modules` should not include FSDP modules: ignored_modules/ignored_states "
+            f"contain FullyShardedDataParallel instances ({wrapped}), and an FSDP instance "
+            "manages its own parameters. Ignore the module it wraps before wrapping it, or do "
+            "not wrap it"
         )
     if any(m is root for m in roots):
         warnings.warn(
-            "the module passed to FullyShardedDataParallel is itself ignored, so all of its "
-            "parameters are ignored and this instance manages none",
+            "Trying to ignore the top-level module passed into the FSDP constructor itself "
+            "will result in all parameters being ignored and is not well-supported: "
+            f"{type(root).__name__} is itself in ignored_modules/ignored_states, so this FSDP "
+            "instance manages no parameter",
             stacklevel=3,
         )
     modules: set[nn.Module] = set()

@@ -129,6 +129,11 @@ def clear_tied_marks(root: nn.Module, params: list[nn.Parameter]) -> None:
         mod.__dict__.pop(_SHARED_MODULE, None)
 
 
+class _MultiDeviceError(ValueError, RuntimeError):
+    """A module on several devices: torch's FSDP raises ``RuntimeError``, ours raised
+    ``ValueError``; both catch it."""
+
+
 def resolve_compute_device(
     params: list[nn.Parameter], buffers: list[torch.Tensor], device_id: object
 ) -> torch.device:
@@ -153,9 +158,10 @@ def resolve_compute_device(
         )
     devices = {t.device for t in tensors}
     if len(devices) > 1:
-        raise ValueError(
-            "the module's parameters and buffers are on several devices "
-            f"{sorted(map(str, devices))}; move the module to one device or pass device_id="
+        raise _MultiDeviceError(
+            f"FSDP only supports single device modules but got params on {devices}: the "
+            f"module's parameters and buffers are on {sorted(map(str, devices))}; move the "
+            "module to one device or pass device_id="
         )
     device = devices.pop() if devices else torch.device("cpu")
     if device.type == "cpu" and torch.cuda.is_available():

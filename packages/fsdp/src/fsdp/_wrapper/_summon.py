@@ -27,7 +27,7 @@ from collections.abc import Generator, Sequence
 import torch
 from torch import Tensor, nn
 
-from fsdp._runtime._common import FLAT_PARAM, FROZEN_FLAT_PARAM, TrainingState
+from fsdp._runtime._common import FLAT_PARAM, FROZEN_FLAT_PARAM, TrainingState, TrainingStateError
 from fsdp._wrapper._flat_param_unit import ShardState
 from fsdp._wrapper._fsdp_state import FSDPState, get_fsdp_state
 
@@ -43,7 +43,7 @@ def summon_unit(
     with_grads: bool = False,
 ) -> Generator[None, None, None]:
     """Summon one FSDP instance's parameters (see [Note: summoned parameters])."""
-    state.assert_state(TrainingState.IDLE, "summon_full_params")
+    _assert_summonable(state)
     unit = state.unit
     state.training_state = TrainingState.SUMMON_FULL_PARAMS
     try:
@@ -96,6 +96,27 @@ def summon_unit(
 
 class _RankZeroWritebackError(NotImplementedError, ValueError):
     """torch's FSDP raises ``NotImplementedError`` for this; ours raised ``ValueError``."""
+
+
+class _SummonStateError(TrainingStateError, AssertionError):
+    """A summon inside forward/backward or inside another summon: torch's FSDP raises
+    ``AssertionError``, ours ``TrainingStateError`` (a ``ValueError``); both catch it."""
+
+
+# torch's words for a summon in the wrong state, which its tests match.
+_TORCH_SUMMON_STATE = {
+    TrainingState.FORWARD_BACKWARD: "Cannot manually unshard parameters during forward/backward",
+    TrainingState.SUMMON_FULL_PARAMS: (
+        "Cannot manually unshard parameters when already unsharding parameters"
+    ),
+}
+
+
+def _assert_summonable(state: FSDPState) -> None:
+    try:
+        state.assert_state(TrainingState.IDLE, "summon_full_params")
+    except TrainingStateError as e:
+        raise _SummonStateError(f"{_TORCH_SUMMON_STATE[state.training_state]}: {e}") from None
 
 
 def _take_in_replaced_data(
@@ -158,21 +179,24 @@ def summon_full_params(  # noqa: PLR0917 (torch's FSDP signature)
             raise NotImplementedError(
                 "summon_full_params(with_grads=True) needs use_orig_params=True (the gradients "
                 "are shown on the original parameters), but this model was wrapped with "
-                "use_orig_params=False; wrap it with use_orig_params=True"
+                "use_orig_params=False; wrap it with use_orig_params=True (with_grads=True, "
+                f"use_orig_params=False, offload_to_cpu={offload_to_cpu} is not supported yet)"
             )
         if offload_to_cpu:
             raise NotImplementedError(
                 "summon_full_params(with_grads=True, offload_to_cpu=True) is not supported "
-                "(as in torch's FSDP); pass offload_to_cpu=False"
+                "(as in torch's FSDP: with_grads=True, use_orig_params=True, "
+                "offload_to_cpu=True is not supported yet); pass offload_to_cpu=False"
             )
     if rank0_only and writeback:
         raise _RankZeroWritebackError(
-            "summon_full_params(rank0_only=True, writeback=True) is not supported: only rank 0 "
-            "would hold full parameters, so writes could not be made consistent across ranks. "
-            "Pass writeback=False."
+            "summon_full_params(rank0_only=True, writeback=True) is not supported (writeback=True "
+            "and rank0_only=True is not supported yet, in torch's words): only rank 0 would "
+            "hold full parameters, so writes could not be made consistent across ranks. Pass "
+            "writeback=False."
         )
     for s in states:
-        s.assert_state(TrainingState.IDLE, "summon_full_params")
+        _assert_summonable(s)
     with contextlib.ExitStack() as stack:
         for s in states:
             stack.enter_context(summon_unit(s, writeback, rank0_only, offload_to_cpu, with_grads))
