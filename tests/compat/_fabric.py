@@ -82,7 +82,8 @@ def _strategy(kind: str, strategy: str, orig: bool, sd_type: str) -> Any:
     )
 
 
-def _train(fabric: Any, model: nn.Module, opt: Any, data: list[Any], steps: range) -> list[float]:
+def train(fabric: Any, model: nn.Module, opt: Any, data: list[Any], steps: range) -> list[float]:
+    """Fabric's loop: accumulation without sync but for the last micro-batch, clipping."""
     losses = []
     for i in steps:
         for micro in range(ACCUMULATE):
@@ -117,15 +118,15 @@ def fabric_run(how: str, strategy: str, orig: bool, sd_type: str, root: str) -> 
         return model, opt
 
     model, opt = setup(0)
-    whole = _train(fabric, model, opt, data, range(STEPS))
+    whole = train(fabric, model, opt, data, range(STEPS))
     model, opt = setup(0)
-    first = _train(fabric, model, opt, data, range(SAVE_AT))
+    first = train(fabric, model, opt, data, range(SAVE_AT))
     path = os.path.join(root, f"{strategy}-{orig}-{sd_type}")
     fabric.save(path, {"model": model, "optimizer": opt, "step": SAVE_AT})
     model, opt = setup(1)
     state: dict[str, Any] = {"model": model, "optimizer": opt}
     rest = fabric.load(path, state)
-    resumed = _train(fabric, model, opt, data, range(rest["step"], STEPS))
+    resumed = train(fabric, model, opt, data, range(rest["step"], STEPS))
     return {"whole": whole, "resumed": first + resumed, "wrapper": type(model._forward_module)}
 
 

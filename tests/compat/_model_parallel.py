@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests.compat._fabric import ACCUMULATE, SAVE_AT, STEPS, lightning_env
-from tests.fsdp._common import Block, batches, loss_fn, make_net
+from tests.compat._fabric import ACCUMULATE, SAVE_AT, STEPS, lightning_env, train
+from tests.fsdp._common import Block, batches, make_net
 
 
 def parallelize(model: nn.Module, device_mesh: Any) -> nn.Module:
@@ -30,21 +30,6 @@ def parallelize(model: nn.Module, device_mesh: Any) -> nn.Module:
             fully_shard(module, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
-
-
-def _train(fabric: Any, model: nn.Module, opt: Any, data: list[Any], steps: range) -> list[float]:
-    losses = []
-    for i in steps:
-        for micro in range(ACCUMULATE):
-            x, y = data[i * ACCUMULATE + micro]
-            with fabric.no_backward_sync(model, enabled=micro < ACCUMULATE - 1):
-                loss = loss_fn(model(x), y)
-                fabric.backward(loss)
-            losses.append(loss.item())
-        fabric.clip_gradients(model, opt, max_norm=0.5)
-        opt.step()
-        opt.zero_grad()
-    return losses
 
 
 def model_parallel_run(impl: str, root: str) -> dict[str, Any]:
@@ -76,16 +61,16 @@ def model_parallel_run(impl: str, root: str) -> dict[str, Any]:
             return model, opt
 
         model, opt = setup(0)
-        whole = _train(fabric, model, opt, data, range(STEPS))
+        whole = train(fabric, model, opt, data, range(STEPS))
         kind = type(model._forward_module)
         model, opt = setup(0)
-        first = _train(fabric, model, opt, data, range(SAVE_AT))
+        first = train(fabric, model, opt, data, range(SAVE_AT))
         path = os.path.join(root, f"model-parallel-{impl}")
         fabric.save(path, {"model": model, "optimizer": opt, "step": SAVE_AT})
         model, opt = setup(1)
         state: dict[str, Any] = {"model": model, "optimizer": opt}
         rest = fabric.load(path, state)
-        resumed = _train(fabric, model, opt, data, range(rest["step"], STEPS))
+        resumed = train(fabric, model, opt, data, range(rest["step"], STEPS))
     finally:
         if impl == "ours":
             fsdp.torch_compat.uninstall()

@@ -230,7 +230,6 @@ class GroupPart:
         if any(t.is_meta for t in locals_):
             return  # still to be materialised (to_empty); the lazy init checks
         region = self.storage.shard
-        device = torch.device("cpu") if g.offload_to_cpu else g.device
         views = self.layout.local_views(region, g.mesh.shard_rank)
         same = (
             region.device.type != "meta"
@@ -239,10 +238,7 @@ class GroupPart:
         )
         if same:
             return
-        like = locals_[0]
-        new_region = torch.zeros(self.layout.shard_numel, dtype=like.dtype, device=device)
-        if g.pin_memory and device.type == "cpu" and pins_host_memory(g.device):
-            new_region = new_region.pin_memory()
+        new_region = self._new_region(locals_[0])
         new_views = self.layout.local_views(new_region, g.mesh.shard_rank)
         with torch.no_grad():
             for param, t, view in zip(current, locals_, new_views, strict=True):
