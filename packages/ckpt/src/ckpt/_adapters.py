@@ -1,16 +1,19 @@
 """The adapters that let ``ckpt.save``/``ckpt.load`` handle fsdp models and their
 optimizers and ``zero_optim`` optimizers (see [Note: the adapter protocol]).
 
-* an fsdp model is saved as its SHARDED state dict (each rank writes the
-  dimension-0 chunks of every parameter, DCP reshards them on load at any world
-  size, and torch's FSDP1/``fully_shard`` checkpoints read and write the same
-  layout), or as its LOCAL state dict if that type is selected on the model (then
-  only loadable at the same world size, which is checked first);
-* an optimizer over an fsdp model (either ``use_orig_params``): the sharded FQN-keyed
-  state (DTensor chunks), the same for both modes, so one loads into the other;
+* an fsdp model is saved as the runs of each original parameter that its rank's flat
+  shards hold ([Note: capture, then copy or write] in ``_fsdp_save_state.py``): DCP
+  reads them by overlap into any layout, so the checkpoint loads at any world size and
+  into torch's FSDP1/``fully_shard``; it is loaded through its SHARDED state dict
+  (dimension-0 chunks). With the LOCAL state-dict type selected on the model, the flat
+  shards themselves are saved (only loadable at the same world size, checked first);
+* an optimizer over an fsdp model (either ``use_orig_params``): FQN-keyed state, saved
+  as runs like the parameters and loaded as DTensor chunks, the same for both modes, so
+  one loads into the other;
 * a ZeroRedundancyOptimizer: each rank's own parameters' state, whole.
 
-At load, an optimizer that never stepped first creates its state (a step that changes
+At save every adapter returns this rank's state by reference, without a collective;
+at load, an optimizer that never stepped first creates its state (a step that changes
 nothing, see ``init_optim_state``) so that DCP has tensors to fill.
 """
 
@@ -22,18 +25,24 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ckpt._fsdp_model_state import TEMPLATE_ATTR, LocalShardMismatchError
+from ckpt._fsdp_model_state import CAPTURE_ATTR, TEMPLATE_ATTR, LocalShardMismatchError
 from ckpt._fsdp_optim_state import (
     fsdp_optim_state_dict,
     init_optim_state,
     load_fsdp_optim_state_dict,
 )
+from ckpt._fsdp_save_state import fsdp_optim_capture
 from ckpt._optim_state import has_fsdp
 from ckpt._state import StateContext, register_adapter
 from ckpt._state_dict_type import get_state_dict_type, state_dict_type
 from ckpt._zero_state import load_zero_optim_state_dict, zero_optim_state_dict
 from fsdp import FullyShardedDataParallel
-from fsdp.api import LocalStateDictConfig, ShardedStateDictConfig, StateDictType
+from fsdp.api import (
+    LocalStateDictConfig,
+    ShardedStateDictConfig,
+    StateDictConfig,
+    StateDictType,
+)
 from zero_optim import ZeroRedundancyOptimizer
 
 __all__ = ["register_builtin_adapters"]
@@ -63,26 +72,28 @@ class FsdpModuleAdapter:
         return local
 
     def state_dict(self, obj: nn.Module, ctx: StateContext) -> dict[str, Any]:
+        sd_type = StateDictType.SHARDED_STATE_DICT
+        config: StateDictConfig = ShardedStateDictConfig()
         if self._local(obj, ctx):
-            with state_dict_type(obj, StateDictType.LOCAL_STATE_DICT, LocalStateDictConfig()):
-                return obj.state_dict()
-        instances = FullyShardedDataParallel.fsdp_modules(obj) if ctx.loading else []
-        for instance in instances:  # a template: no gather needed, DCP overwrites it
-            setattr(instance, TEMPLATE_ATTR, True)
-        try:
-            # [Note: bounded device memory in save and load]
-            # Each unit's chunks go to the host as soon as they are made, so a rank's
-            # device holds at most one unit's chunks beyond the model, and chunks of
-            # CPUOffload shards never visit it (on gloo; NCCL's all-to-all stages one
-            # unit's shard there). A load's template is on the host too: DCP reads into
-            # host memory, and loading moves the chunks to the device one unit at a time
-            # (``chunks_to_shard``) instead of a second copy of the model there.
+            sd_type, config = StateDictType.LOCAL_STATE_DICT, LocalStateDictConfig()
+        elif ctx.loading:
+            # [Note: bounded device memory at load]
+            # A load's template is on the host: DCP reads into host memory, and loading
+            # moves the chunks to the device one unit at a time (``chunks_to_shard``)
+            # instead of a second copy of the model there.
             config = ShardedStateDictConfig(offload_to_cpu=True)
-            with state_dict_type(obj, StateDictType.SHARDED_STATE_DICT, config):
+        # At save what this rank writes, by reference ([Note: capture, then copy or
+        # write]); at load a template for DCP to fill (no gather needed).
+        marker = TEMPLATE_ATTR if ctx.loading else CAPTURE_ATTR
+        instances = FullyShardedDataParallel.fsdp_modules(obj)
+        for instance in instances:
+            setattr(instance, marker, True)
+        try:
+            with state_dict_type(obj, sd_type, config):
                 return obj.state_dict()
         finally:
             for instance in instances:
-                delattr(instance, TEMPLATE_ATTR)
+                delattr(instance, marker)
 
     def load_state_dict(
         self, obj: nn.Module, state_dict: dict[str, Any], ctx: StateContext
@@ -107,9 +118,10 @@ class FsdpOptimizerAdapter:
             return False
 
     def state_dict(self, obj: torch.optim.Optimizer, ctx: StateContext) -> dict[str, Any]:
-        if ctx.loading:
-            init_optim_state(obj)
-        # On the host when loading too: [Note: bounded device memory in save and load].
+        if not ctx.loading:  # [Note: capture, then copy or write]
+            return fsdp_optim_capture(ctx.module_for(obj), obj)
+        init_optim_state(obj)
+        # On the host: [Note: bounded device memory at load].
         return fsdp_optim_state_dict(ctx.module_for(obj), obj, sharded=True, offload_to_cpu=True)
 
     def load_state_dict(
@@ -127,7 +139,10 @@ class ZeroOptimizerAdapter:
     def state_dict(self, obj: ZeroRedundancyOptimizer, ctx: StateContext) -> dict[str, Any]:
         if ctx.loading:
             init_optim_state(obj)
-        return zero_optim_state_dict(ctx.module_for(obj), obj, full=False, offload_to_cpu=True)
+        # At save by reference ([Note: capture, then copy or write]).
+        return zero_optim_state_dict(
+            ctx.module_for(obj), obj, full=False, offload_to_cpu=True, copy_tensors=ctx.loading
+        )
 
     def load_state_dict(
         self, obj: ZeroRedundancyOptimizer, state_dict: dict[str, Any], ctx: StateContext

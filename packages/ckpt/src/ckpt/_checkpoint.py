@@ -2,9 +2,16 @@
 
 A save is a :class:`_SaveTransaction` through the states of :class:`SaveState`:
 rank 0 checks the path and creates the partial directory (``prepare``), every rank
-writes its shards there with DCP (``write``), every rank hashes the files it wrote and
-rank 0 writes the manifest and renames the directory into place (``commit``). See
-[Note: atomic commit] in ``_layout.py`` and [Note: integrity] in ``_manifest.py``.
+writes its shards there with DCP, hashing the bytes as they are written, and rank 0,
+in DCP's last step, writes the manifest and renames the directory into place
+(``write``). See [Note: atomic commit] in ``_layout.py``, [Note: integrity] in
+``_manifest.py`` and [Note: one pass over the bytes] in ``_writer.py``.
+
+``save`` and ``async_save`` share one path ([Note: capture, then copy or write] in
+``_fsdp_save_state.py``): the state is captured by reference without communication,
+then written at once (``save``), or copied into reused host buffers (``_staging.py``)
+and written on a background thread over the checkpoint's own process group
+(``async_save``).
 
 A load reads the manifest (and checks its HMAC when given a key), has every rank verify
 a balanced share of the files, checks the keys and shapes against the state on every
@@ -28,7 +35,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
@@ -36,7 +42,7 @@ from ckpt import _layout
 from ckpt._agreement import check_ranks_agree
 from ckpt._collective_failure import in_phase
 from ckpt._comm import Comm, async_group, device_of, on_device
-from ckpt._disk_space import SpaceCheckingWriter, disk_full, found_disk_full, is_disk_full
+from ckpt._disk_space import disk_full, found_disk_full, is_disk_full
 from ckpt._errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -60,7 +66,6 @@ from ckpt._manifest import (
     balance_files,
     check_file_set,
     check_signature,
-    file_owner,
     hash_file,
     listed_files,
     new_manifest,
@@ -76,7 +81,10 @@ from ckpt._safe_pickle import (
     check_objects,
     read_metadata,
 )
+from ckpt._save_planner import CheckpointSavePlanner
+from ckpt._staging import stage
 from ckpt._state import apply_loaded, to_state_dict
+from ckpt._writer import CheckpointWriter, commit_result
 
 __all__ = [
     "AsyncSave",
@@ -163,23 +171,31 @@ class _SaveTransaction:
             )
         self.state = SaveState.PREPARED
 
-    def write(self, state_dict: dict[str, Any]) -> None:
-        """Every rank writes its shards into the partial directory (DCP, in parallel)."""
+    def write(
+        self, state_dict: dict[str, Any], on_commit: Callable[[], None] | None = None
+    ) -> CheckpointInfo:
+        """Every rank writes its shards into the partial directory (DCP, in parallel);
+        rank 0 commits in DCP's last step, then runs ``on_commit``.
+
+        Every rank returns only after rank 0 committed and ran ``on_commit``.
+        """
         self._expect(SaveState.PREPARED)
-        writer = SpaceCheckingWriter(
-            _layout.partial_path(self.path), self.path, sync_files=True, overwrite=False
+        partial = _layout.partial_path(self.path)
+        writer = CheckpointWriter(
+            partial, self.path, self.checksum, lambda records: self._seal(records, on_commit)
         )
         try:
             if not self.comm.distributed:
                 _quiet_single_process()
-            dcp_save(
+            metadata = dcp_save(
                 state_dict,
                 storage_writer=writer,
+                planner=CheckpointSavePlanner(),
                 process_group=self.comm.group,
                 no_dist=not self.comm.distributed,
             )
         except (CheckpointException, DiskFullError) as e:
-            # DCP shares a failure only after every rank finished writing (and a single
+            # DCP shares a failure only after every rank finished its step (and a single
             # process's planning step raises directly), so the partial directory is no
             # one's any more.
             self.state = SaveState.FAILED
@@ -187,7 +203,7 @@ class _SaveTransaction:
             ran_out = refused is None and is_disk_full(e)
 
             def clean_up() -> DiskFullError | None:
-                shutil.rmtree(_layout.partial_path(self.path), ignore_errors=True)
+                shutil.rmtree(partial, ignore_errors=True)
                 # Rank 0's writer planned the whole save, so its estimate is the one;
                 # measured after the cleanup, so the free bytes are a retry's.
                 return disk_full(self.path, writer.needed) if ran_out else None
@@ -200,68 +216,53 @@ class _SaveTransaction:
                 raise refused from None
             if full is not None:
                 raise full from e
-            assert isinstance(e, CheckpointException)
-            raise _dcp_failure(f"write {self.path}", e) from e
+            if isinstance(e, CheckpointException):
+                raise _dcp_failure(f"write {self.path}", e) from e
+            raise
         except BaseException as e:
             self.state = SaveState.FAILED
             if not self.comm.distributed and is_disk_full(e):
-                shutil.rmtree(_layout.partial_path(self.path), ignore_errors=True)
+                shutil.rmtree(partial, ignore_errors=True)
                 raise disk_full(self.path, writer.needed) from e
             raise
-        self.state = SaveState.WRITTEN
-
-    def commit(self, on_commit: Callable[[], None] | None = None) -> CheckpointInfo:
-        """Hash, write the manifest, rename into place; then ``on_commit`` on rank 0.
-
-        Every rank returns only after rank 0 committed and ran ``on_commit``.
-        """
-        self._expect(SaveState.WRITTEN)
-        try:
-            partial = _layout.partial_path(self.path)
-            mine = _hash_own_files(partial, self.comm, self.checksum)
-            gathered = self.comm.gather(mine)
-
-            def seal() -> Manifest:
-                assert gathered is not None
-                records: list[FileRecord] = []
-                for rank, part in enumerate(gathered):
-                    if isinstance(part, str):
-                        raise CheckpointError(f"rank {rank} could not hash its files: {part}")
-                    records.extend(part)
-                present = listed_files(partial)
-                hashed = {r.name for r in records}
-                # Anything no rank claimed (not written under DCP's rank prefixes) is
-                # hashed here so the manifest covers every file.
-                records.extend(
-                    hash_file(partial / n, self.checksum) for n in present if n not in hashed
-                )
-                vanished = sorted(hashed - set(present))
-                if vanished:
-                    raise CheckpointError(f"files disappeared while saving: {vanished}")
-                manifest = new_manifest(records, self.checksum, self.comm.world_size, self.saved_by)
-                if self.key is not None:
-                    manifest = sign_manifest(manifest, self.key)
-                try:
-                    write_manifest(partial, manifest)
-                except OSError as e:
-                    if not is_disk_full(e):
-                        raise
-                    shutil.rmtree(partial, ignore_errors=True)  # [Note: naming a full disk]
-                    raise disk_full(self.path, None) from e
-                _layout.commit(self.path)
-                if on_commit is not None:  # before the broadcast: ranks see it done
-                    try:
-                        on_commit()
-                    except Exception as e:  # never turn a committed save into an error
-                        warnings.warn(f"ckpt: after committing {self.path}: {e}", stacklevel=2)
-                return manifest
-
-            self.manifest = self.comm.run_on_coordinator(f"commit {self.path}", seal)
-        except BaseException:
-            self.state = SaveState.FAILED
-            raise
+        manifest = commit_result(metadata)  # [Note: the commit's result rides back]
+        self.manifest = manifest if isinstance(manifest, Manifest) else read_manifest(self.path)
         self.state = SaveState.COMMITTED
         return CheckpointInfo(self.path, self.manifest)
+
+    def _seal(self, records: list[FileRecord], on_commit: Callable[[], None] | None) -> Manifest:
+        """Rank 0, in DCP's finish step (every rank's files are written and synced):
+        the manifest, the rename, then ``on_commit``."""
+        self.state = SaveState.WRITTEN
+        partial = _layout.partial_path(self.path)
+        present = listed_files(partial)
+        hashed = {r.name for r in records}
+        # Anything no stream wrote (not written through DCP) is hashed here so the
+        # manifest covers every file.
+        records = [r for r in records if r.name in present]
+        records.extend(hash_file(partial / n, self.checksum) for n in present if n not in hashed)
+        vanished = sorted(hashed - set(present))
+        if vanished:
+            raise CheckpointError(f"files disappeared while saving: {vanished}")
+        manifest = new_manifest(records, self.checksum, self.comm.world_size, self.saved_by)
+        if self.key is not None:
+            manifest = sign_manifest(manifest, self.key)
+        try:
+            write_manifest(partial, manifest)
+        except OSError as e:
+            if not is_disk_full(e):
+                raise
+            shutil.rmtree(partial, ignore_errors=True)  # [Note: naming a full disk]
+            raise disk_full(self.path, None) from e
+        _layout.commit(self.path)
+        self.state = SaveState.COMMITTED
+        self.manifest = manifest
+        if on_commit is not None:  # before DCP's broadcast: ranks see it done
+            try:
+                on_commit()
+            except Exception as e:  # never turn a committed save into an error
+                warnings.warn(f"ckpt: after committing {self.path}: {e}", stacklevel=2)
+        return manifest
 
 
 def _kind_of(value: object) -> str:
@@ -297,19 +298,6 @@ def _quiet_single_process() -> None:
     being process-wide, cannot be used safely). The filter matches only that message.
     """
     warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING, category=UserWarning)
-
-
-def _hash_own_files(partial: Path, comm: Comm, checksum: Checksum) -> list[FileRecord] | str:
-    """This rank's share of the hashing at save; a failure is returned, not raised, so
-    that rank 0 reports it instead of every other rank waiting in the gather."""
-    try:
-        return [
-            hash_file(partial / name, checksum)
-            for name in listed_files(partial)
-            if file_owner(name, comm.world_size) == comm.rank
-        ]
-    except OSError as e:
-        return f"{type(e).__name__}: {e}"
 
 
 class AsyncSave:
@@ -466,11 +454,10 @@ def save(
     options = {"overwrite": overwrite, "checksum": sum_kind, "keyed": mac_key is not None}
     with on_device(device_of(state)):  # [Note: choosing the CUDA device] in fsdp
         check_ranks_agree("ckpt.save", comm, target, options)
-        state_dict, _ = to_state_dict(state, process_group)
+        state_dict, _ = to_state_dict(state, process_group)  # by reference, no collective
         tx = _SaveTransaction(target, comm, sum_kind, mac_key, state)
         tx.prepare(overwrite)
-        tx.write(state_dict)
-        return tx.commit(_on_commit)
+        return tx.write(state_dict, _on_commit)
 
 
 @in_phase("async save")
@@ -484,13 +471,19 @@ def async_save(
     process_group: dist.ProcessGroup | None = None,
     _on_commit: Callable[[], None] | None = None,
 ) -> AsyncSave:
-    """Like ``save``, but return once the state is copied to CPU memory.
+    """Like ``save``, but return once this rank's state is copied to host memory.
 
-    The write, the hashing and the commit run on a background thread while training
-    continues; the returned handle's ``wait()`` gives the committed checkpoint. A
-    later save or load first waits for this one. The background collectives run on a
-    dedicated gloo group (created on the first call, on every rank), or on
-    ``process_group`` if given, which the training loop must then not use meanwhile.
+    Training is blocked only for that copy: what each rank holds (its flat shards,
+    ``DTensor`` shards, optimizer state, plain values), copied without communication
+    into host buffers that the next asynchronous save reuses (pinned on CUDA; see
+    [Note: staging] in ``_staging.py``). Everything else (DCP's planning, the writes,
+    the hashing and the commit) runs on a background thread while training continues
+    and changes the live tensors; the returned handle's ``wait()`` gives the committed
+    checkpoint, which holds the state as it was when ``async_save`` was called. A later
+    save or load first waits for this one. The background collectives run on a
+    dedicated gloo group (created on the first call, on every rank), so they never meet
+    the training loop's; or on ``process_group`` if given, which the training loop must
+    then not use meanwhile.
     """
     wait_pending()
     target = _as_path(path)
@@ -499,18 +492,16 @@ def async_save(
     mac_key = _as_key(key)
     sum_kind = _as_checksum(checksum, mac_key)
     options = {"overwrite": overwrite, "checksum": sum_kind, "keyed": mac_key is not None}
-    with on_device(device_of(state)):
+    device = device_of(state)
+    with on_device(device):
         check_ranks_agree("ckpt.async_save", comm, target, options)
-        state_dict, _ = to_state_dict(state, group)
-    staged = BlockingAsyncStager(cache_staged_state_dict=False, type_check=False).stage(state_dict)
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()  # the staged copies must be complete before we return
-    tx = _SaveTransaction(target, comm, sum_kind, mac_key, state)
-    tx.prepare(overwrite)
+        staged = stage(to_state_dict(state, group)[0])  # [Note: staging]
+        tx = _SaveTransaction(target, comm, sum_kind, mac_key, state)
+        tx.prepare(overwrite)
 
     def work() -> CheckpointInfo:
-        tx.write(staged)
-        return tx.commit(_on_commit)
+        with on_device(device):
+            return tx.write(staged, _on_commit)
 
     handle = AsyncSave(target)
     with _Pending.lock:

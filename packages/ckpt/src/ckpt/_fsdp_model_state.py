@@ -49,6 +49,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from ckpt._chunks import chunk_dtensor, full_value, is_chunked_like_ours, mesh_for, to_dtensor
 from ckpt._errors import CheckpointError
+from ckpt._fsdp_save_state import unit_capture
 from ckpt._loadable import loadable
 from ckpt._unit_exchange import chunks_to_shard, gather_params_on_rank0, shard_to_chunks
 from flatparam import shard_flat
@@ -63,6 +64,7 @@ from fsdp.units import (
 )
 
 __all__ = [
+    "CAPTURE_ATTR",
     "TEMPLATE_ATTR",
     "LocalShardMismatchError",
     "local_shard_of",
@@ -75,6 +77,12 @@ __all__ = [
 TEMPLATE_ATTR = "_ckpt_template_only"
 """Set (by ckpt.load's adapter) on FSDP instances whose state dict is only a template
 for DCP to fill: SHARDED/FULL entries then get their shapes without any gather."""
+
+CAPTURE_ATTR = "_ckpt_capture"
+"""Set (by ckpt.save's adapter) on FSDP instances whose state dict is what this rank
+writes: SHARDED entries are then its runs of the parameters, views of the shard, and
+LOCAL entries the shard itself, without a copy or a collective (see [Note: capture,
+then copy or write] in ``_fsdp_save_state.py``)."""
 
 
 class LocalShardMismatchError(CheckpointError, ValueError):
@@ -105,16 +113,22 @@ def post_state_dict(module: nn.Module, state_dict: dict[str, Any], prefix: str) 
     offload = config.offload_to_cpu
     rank0_only = bool(getattr(config, "rank0_only", False))
     template = bool(getattr(module, TEMPLATE_ATTR, False))
+    capture = bool(getattr(module, CAPTURE_ATTR, False))
     # A frozen part (fsdp's [Note: frozen part]) is a unit of its own, under its own key;
     # only LOCAL state dicts show the keys.
     produced: dict[str, Any] = {}
     for unit in instance_flat_units(module, prefix):
         state_dict.pop(unit.key, None)
         if sd_type is StateDictType.LOCAL_STATE_DICT:
-            produced[unit.key] = _local_dtensor(unit, offload)
+            produced[unit.key] = _local_dtensor(unit, offload, copy=not capture)
+        elif capture and sd_type is StateDictType.SHARDED_STATE_DICT:
+            for index, value in unit_capture(unit, unit.flat_param).items():
+                entry = unit.params[index]
+                for key in (entry.fqn, *entry.aliases):
+                    produced[key] = value
         else:
             produced.update(_unit_params(unit, sd_type, offload, rank0_only, template))
-    _strip_inner_prefix(module, state_dict, prefix, offload)
+    _strip_inner_prefix(module, state_dict, prefix, offload and not capture)
     state_dict.update(produced)
     if rank0_only and dist.get_rank() != 0:
         for key in [k for k in state_dict if k.startswith(prefix)]:
@@ -180,15 +194,17 @@ def _strip_inner_prefix(
         state_dict[new_key] = value
 
 
-def _local_dtensor(unit: FlatUnit, offload: bool) -> DTensor | Tensor:
-    """This rank's padded shard as a DTensor of the padded flat tensor.
+def _local_dtensor(unit: FlatUnit, offload: bool, copy: bool = True) -> DTensor | Tensor:
+    """This rank's padded shard as a DTensor of the padded flat tensor (``copy=False``:
+    the shard itself, for a save to write or copy as it does everything else).
 
     The padded flat tensor (``padded_numel = world_size * shard_numel``) splits into
     equal chunks, so ``Shard(0)`` describes the flat shards exactly. An unsharded
     unit (NO_SHARD, one rank) holds the whole flat tensor on every rank: a plain
     (replicated) tensor then.
     """
-    data = _copy_out(unit.flat_param.detach(), offload)
+    shard = unit.flat_param.detach()
+    data = _copy_out(shard, offload) if copy else shard
     if not unit.sharded:
         return data
     mesh = mesh_for(unit.sharding.group, data.device.type)

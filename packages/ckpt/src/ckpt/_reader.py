@@ -5,7 +5,8 @@
 read-only. Everything goes through ``_safe_pickle`` ([Note: no code from a
 checkpoint]): the metadata with DCP's types only, non-tensor values and tensor chunks
 with ``weights_only``. Tensors are read chunk by chunk, as saved (a DTensor's shards,
-a rank's rows), so a caller can stream a checkpoint larger than memory; see
+a rank's rows, the boxes of an fsdp rank's runs: [Note: flat pieces] in
+``_pieces.py``), so a caller can stream a checkpoint larger than memory; see
 :meth:`CheckpointReader.iter_row_blocks`.
 """
 
@@ -69,6 +70,20 @@ class TensorInfo:
         )
 
     @property
+    def runs_tiled(self) -> bool:
+        """Whether every chunk is a run of the tensor's row-major elements (row chunks,
+        and the boxes of fsdp's flat shards): streamable in order of their first element."""
+        return all(_is_run(offsets, sizes, self.shape) for offsets, sizes in self.chunks)
+
+    def run_start(self, offsets: tuple[int, ...]) -> int:
+        """The row-major index of a chunk's first element."""
+        at, stride = 0, 1
+        for o, d in zip(reversed(offsets), reversed(self.shape), strict=True):
+            at += o * stride
+            stride *= d
+        return at
+
+    @property
     def sharding(self) -> str:
         """A short description for ``ckpt inspect``."""
         parts = [c for c in self.chunks if math.prod(c[1]) > 0]
@@ -76,7 +91,20 @@ class TensorInfo:
             return "whole"
         if self.rows_tiled:
             return f"{len(parts)} row chunks"
+        if self.runs_tiled:
+            return f"{len(parts)} runs"
         return f"{len(parts)} chunks"
+
+
+def _is_run(offsets: tuple[int, ...], sizes: tuple[int, ...], shape: tuple[int, ...]) -> bool:
+    """Whether the box is contiguous in row-major order: single indices up to one
+    dimension, whole dimensions after it."""
+    for d, size in enumerate(sizes):
+        if size != 1:
+            return all(
+                sizes[k] == shape[k] and offsets[k] == 0 for k in range(d + 1, len(shape))
+            )
+    return True
 
 
 class _FileView(io.RawIOBase):
@@ -286,15 +314,16 @@ class CheckpointReader:
     ) -> Iterator[torch.Tensor]:
         """The tensor's elements in row-major order, as contiguous 1-D blocks.
 
-        Row-chunked tensors (dim-0 shards, whole tensors) go one chunk at a time, each
-        converted to ``dtype`` in blocks of at most ``buffer_bytes``: memory stays at
-        one chunk plus the buffer. Other chunkings are assembled whole first.
+        Tensors chunked in runs of row-major elements (dim-0 shards, whole tensors, the
+        runs of fsdp's flat shards) go one chunk at a time, each converted to ``dtype``
+        in blocks of at most ``buffer_bytes``: memory stays at one chunk plus the
+        buffer. Other chunkings are assembled whole first.
         """
         target = dtype or tensor.dtype
-        if tensor.rows_tiled:
+        if tensor.runs_tiled:
             ordered = sorted(
                 (c for c in tensor.chunks if math.prod(c[1]) > 0),
-                key=lambda c: c[0][0] if c[0] else 0,
+                key=lambda c: tensor.run_start(c[0]),
             )
             parts: Iterator[torch.Tensor] = (self.read_chunk(tensor, o) for o, _ in ordered)
         else:

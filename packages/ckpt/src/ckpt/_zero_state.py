@@ -101,14 +101,17 @@ def zero_optim_state_dict(
     full: bool,
     rank0_only: bool = False,
     offload_to_cpu: bool = True,
+    copy_tensors: bool = True,
 ) -> dict[str, Any]:
     """The FQN-keyed state of ``zero``: this rank's parameters, or all (``full``).
 
     ``full`` gathers every rank's part (a collective; with ``rank0_only`` only rank 0
-    receives it and other ranks return ``{}``).
+    receives it and other ranks return ``{}``). ``copy_tensors=False`` (not with ``full``): the
+    optimizer's own tensors, for a save that copies or writes them at once.
     """
     names = names_by_group(model, zero)
     device = torch.device("cpu") if (offload_to_cpu or full) else None
+    by_reference = not copy_tensors and not full
     mine: dict[str, dict[str, Any]] = {}
     by_id = {
         id(p): n
@@ -118,7 +121,9 @@ def zero_optim_state_dict(
     for p in zero.params_per_rank[zero.rank]:
         st = zero.optim.state.get(p)
         if st:
-            mine[by_id[id(p)]] = {k: _copy(v, device) for k, v in st.items()}
+            mine[by_id[id(p)]] = (
+                dict(st) if by_reference else {k: _copy(v, device) for k, v in st.items()}
+            )
     state = mine
     if full:
         parts = _parts_one_owner_at_a_time(zero, mine, rank0_only)
