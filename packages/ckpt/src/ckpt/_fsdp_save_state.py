@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,16 +39,10 @@ from ckpt._fsdp_optim_state import (
 )
 from ckpt._orig_optim_state import local_pieces
 from ckpt._pieces import FlatPieces
+from ckpt._save_planner import CaptureProblem
 from fsdp.units import FlatUnit
 
-__all__ = ["CaptureProblem", "fsdp_optim_capture", "unit_capture"]
-
-
-@dataclass(frozen=True)
-class CaptureProblem:
-    """A value this rank cannot save, in place of it; the save fails on every rank."""
-
-    message: str
+__all__ = ["fsdp_optim_capture", "unit_capture"]
 
 
 def _run(local: Tensor, shape: torch.Size, start: int) -> Tensor | FlatPieces:

@@ -101,9 +101,7 @@ def _is_run(offsets: tuple[int, ...], sizes: tuple[int, ...], shape: tuple[int, 
     dimension, whole dimensions after it."""
     for d, size in enumerate(sizes):
         if size != 1:
-            return all(
-                sizes[k] == shape[k] and offsets[k] == 0 for k in range(d + 1, len(shape))
-            )
+            return all(sizes[k] == shape[k] and offsets[k] == 0 for k in range(d + 1, len(shape)))
     return True
 
 

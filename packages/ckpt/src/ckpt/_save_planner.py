@@ -9,10 +9,10 @@
   their group's region) would each be cloned: a copy of the whole state, in new memory,
   at every save. Instead each is given a storage of exactly its bytes that aliases them
   (``UntypedStorage`` slicing), so ``torch.save`` writes them in place.
-* Problems found while the state was captured on one rank (``problems``) fail that
-  rank's local planning step, which DCP shares with every rank (each raises the same
-  ``CheckpointException``), instead of one rank raising alone while the others wait in
-  the planning collective. The global step names a tensor whose parts do not cover it,
+* A value one rank could not capture (a :class:`CaptureProblem` in its place) fails
+  that rank's local planning step, which DCP shares with every rank (each raises the
+  same ``CheckpointException``), instead of one rank raising alone while the others
+  wait in the planning collective. The global step names a tensor whose parts do not cover it,
   or whose parts differ in dtype across ranks, before DCP's own check does in its terms.
 """
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,11 +32,18 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemT
 from ckpt._errors import CheckpointError
 from ckpt._pieces import FlatPieces
 
-__all__ = ["CaptureError", "CheckpointSavePlanner", "own_storage"]
+__all__ = ["CaptureError", "CaptureProblem", "CheckpointSavePlanner", "own_storage"]
 
 
 class CaptureError(CheckpointError, ValueError):
     """A rank's state cannot be saved as it is (e.g. optimizer state of an odd shape)."""
+
+
+@dataclass(frozen=True)
+class CaptureProblem:
+    """In place of a value this rank cannot save: the save fails on every rank, saying so."""
+
+    message: str
 
 
 def own_storage(tensor: Tensor) -> Tensor:
@@ -60,21 +68,20 @@ def own_storage(tensor: Tensor) -> Tensor:
 class CheckpointSavePlanner(DefaultSavePlanner):
     """DCP's ``DefaultSavePlanner`` for ckpt's state dicts (see the module docstring)."""
 
-    _problems: list[str]
-
-    def __init__(self, problems: Sequence[str] = ()) -> None:
-        super().__init__()
-        self._problems = list(problems)
-
     def set_up_planner(
         self,
         state_dict: dict[str, Any],
         storage_meta: StorageMeta | None = None,
         is_coordinator: bool = False,
     ) -> None:
-        if self._problems:
-            raise CaptureError("; ".join(self._problems))
         super().set_up_planner(state_dict, storage_meta, is_coordinator)
+        problems = [
+            f"{key}: {value.message}"
+            for key, value in self.state_dict.items()
+            if isinstance(value, CaptureProblem)
+        ]
+        if problems:
+            raise CaptureError("; ".join(problems))
 
     def lookup_object(self, index: MetadataIndex) -> Any:
         value = self.state_dict.get(index.fqn)
