@@ -1,33 +1,35 @@
-"""Checkpoints of an fsdp model: ours (ckpt) vs torch's FSDP1 state dicts + DCP.
+"""Checkpoints of a sharded model and its AdamW state: ours against torch's, and the disk.
 
-A GPT of >= 100 MB (fp32) under FULL_SHARD with each Block its own unit, on two ranks
-(gloo, CPU). Rows:
+The issue-28 setup: 2 gloo ranks on the CPU, a 25M-parameter model (12 blocks of two
+1024x1024 linears, one FSDP unit or ``fully_shard`` group per block) with AdamW after
+one step (about 300 MB of state). Variants:
 
-* save sharded: ``ckpt.save({"model": model}, path)`` (SHARDED state dict, DCP write,
-  fsync, CRC-32 manifest, atomic rename) vs torch's
-  ``dcp.save({"model": get_model_state_dict(model)}, ...)`` on torch's FSDP1 (its
-  sharded state dict; fsync too, no manifest or rename);
-* load sharded: ``ckpt.load`` (verify the manifest, check keys and shapes, DCP read,
-  load) vs ``get_model_state_dict`` + ``dcp.load`` + ``set_model_state_dict``;
-* full rank0_only: ``model.state_dict()`` under FULL_STATE_DICT with
-  ``FullStateDictConfig(rank0_only=True)`` on both, what a consolidated
-  ``torch.save`` on rank 0 needs. Without ``offload_to_cpu``: on a CPU model torch's
-  FSDP1 with it runs one all-gather more on rank 1 than on rank 0 and hangs (and on
-  CPU the offload copies nothing anyway).
+* ``ours FSDP1``: our ``FullyShardedDataParallel`` + ``ckpt.save`` / ``ckpt.async_save``
+  / ``ckpt.load`` (manifest of CRC-32 digests, atomic commit, verified load);
+* ``ours fully_shard``: our ``fully_shard`` + the same ``ckpt`` calls;
+* ``torch FSDP2``: torch's ``fully_shard`` + ``get_state_dict`` + ``dcp.save`` /
+  ``dcp.async_save`` / ``dcp.load`` + ``set_state_dict``, as a new user writes it;
+* ``torch FSDP1``: torch's ``FullyShardedDataParallel`` the same way, where it runs on
+  the CPU (its ``dcp.async_save`` fails there: the staging copy cannot read its
+  ``ShardedTensor``s; the row says so).
 
-Times of save/load: one pair of rank processes holds both models and runs every variant
-in turns (:func:`~benchmarks.common.time_round_robin`); each save goes to a fresh
-directory. torch's FSDP1 fails on a second FULL rank0_only + offload_to_cpu state dict
-of a CPU model in one process (its unsharded views lose their storage), so the
-full rank0_only row is timed once per fresh pair of processes, alternating sides.
-Memory: each variant alone in a fresh pair of processes; "peak extra" is the peak
-resident set during the operation above the resident set before it (the peak is reset
-first through ``/proc/self/clear_refs``), the largest among the ranks.
+Rows: ``sync save`` (returns when committed), ``async: training blocked`` (until
+``async_save`` returns), ``async: until committed`` (until its handle/future is done),
+``load`` (into the same model, from a checkpoint it saved). Every save writes a new
+directory (removed after the round). One pair of rank processes holds every variant and
+takes one of each operation per variant per round, the variants' order rotating each
+round; each timed operation starts after a barrier and lasts as long as its slowest
+rank (:func:`~benchmarks.common.median_step_s`).
+
+The disk, measured in the same rounds: each rank writes as many bytes as it holds of
+the state, in one ``write`` of a buffer and an ``fsync``, both ranks at once; the
+``disk`` column is that time, and the note gives the rate. Nothing can save the state
+faster than the disk takes its bytes. ``BENCH_CKPT_DIR`` picks the folder (default:
+the temporary folder's disk).
 """
 
 from __future__ import annotations
 
-import itertools
 import os
 import shutil
 import tempfile
@@ -36,253 +38,290 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import (
-    Options,
-    Table,
-    fmt_bytes,
-    fmt_ms,
-    launch,
-    median_step_s,
-    peak_rss_bytes,
-    ratio,
-    time_round_robin,
-)
+from benchmarks.common import Options, Table, fmt_bytes, fmt_ms, launch, median_step_s, ratio
 
-DESCRIPTION = "fsdp checkpoints: ckpt vs torch FSDP1 state dicts + DCP (GPT >= 100 MB, 2 ranks)"
+DESCRIPTION = "checkpoints: ckpt on our FSDP1/fully_shard vs torch FSDP2/FSDP1 + DCP, and the disk"
 
 WORLD_SIZE = 2
-MODEL = {"vocab": 8192, "d_model": 512, "n_layers": 8, "n_heads": 8, "seq_len": 64}
-QUICK_MODEL = {"vocab": 256, "d_model": 32, "n_layers": 2, "n_heads": 2, "seq_len": 16}
+MODEL = {"blocks": 12, "width": 1024}
+QUICK_MODEL = {"blocks": 2, "width": 64}
+VARIANTS = ("ours FSDP1", "ours fully_shard", "torch FSDP2", "torch FSDP1")
+BASELINE = "torch FSDP2"
+ROWS = ("sync save", "async: training blocked", "async: until committed", "load")
+DISK = "disk"
 
-OPERATIONS = ("save sharded", "load sharded", "full rank0_only")
-TIMED_TOGETHER = OPERATIONS[:2]
-SIDES = ("ours", "torch")
 
+def _build(variant: str, model: dict[str, int]) -> tuple[Any, Any]:
+    """The model under ``variant`` and its AdamW optimizer, after one step."""
+    import torch
+    from torch import nn
 
-class _Bench:
-    """Both models on this rank and one callable per (side, operation)."""
-
-    def __init__(self, model_kwargs: dict[str, int], root: Path, sides: tuple[str, ...]) -> None:
-        import torch
-        from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
-        from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchPolicy
-
-        from benchmarks.gpt import GPT, Block
+    torch.manual_seed(0)
+    width = model["width"]
+    net = nn.Sequential(
+        *[
+            nn.Sequential(nn.Linear(width, width), nn.Linear(width, width))
+            for _ in range(model["blocks"])
+        ]
+    )
+    wrapped: nn.Module
+    if variant == "ours FSDP1":
         from fsdp import FullyShardedDataParallel
-        from fsdp.wrap import ModuleWrapPolicy
 
-        self.root = root
-        self.models: dict[str, Any] = {}
-        for side in sides:
-            torch.manual_seed(0)
-            net = GPT(**model_kwargs)
-            if side == "ours":
-                self.models[side] = FullyShardedDataParallel(
-                    net, auto_wrap_policy=ModuleWrapPolicy({Block})
-                )
-            else:
-                self.models[side] = TorchFSDP(
-                    net, auto_wrap_policy=TorchPolicy({Block}), device_id=torch.device("cpu")
-                )
-        self.param_bytes = sum(
-            p.numel() * p.element_size() for p in GPT(**model_kwargs).parameters()
-        )
-        self.counter = itertools.count()
-        self.kept: Any = None
-
-    def fixed(self, side: str) -> Path:
-        return self.root / f"{side}-fixed"
-
-    def save(self, side: str, path: Path) -> None:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-        import ckpt
-
-        if side == "ours":
-            ckpt.save({"model": self.models[side]}, path)
-        else:
-            dcp.save({"model": get_model_state_dict(self.models[side])}, checkpoint_id=str(path))
-
-    def load(self, side: str) -> None:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import (
-            get_model_state_dict,
-            set_model_state_dict,
-        )
-
-        import ckpt
-
-        model = self.models[side]
-        if side == "ours":
-            ckpt.load({"model": model}, self.fixed(side))
-        else:
-            state = {"model": get_model_state_dict(model)}
-            dcp.load(state, checkpoint_id=str(self.fixed(side)))
-            set_model_state_dict(model, state["model"])
-
-    def full_rank0(self, side: str) -> int:
-        import torch
-        from torch.distributed.fsdp import FullStateDictConfig as TorchFullConfig
+        for i, block in enumerate(net):
+            net[i] = FullyShardedDataParallel(block)
+        wrapped = FullyShardedDataParallel(net)
+    elif variant == "torch FSDP1":
         from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
-        from torch.distributed.fsdp import StateDictType as TorchType
+
+        cpu = torch.device("cpu")
+        for i, block in enumerate(net):
+            net[i] = TorchFSDP(block, device_id=cpu)
+        wrapped = TorchFSDP(net, device_id=cpu)
+    else:
+        if variant == "ours fully_shard":
+            from fsdp import fully_shard
+        else:
+            from torch.distributed.fsdp import fully_shard
+        for block in net:
+            fully_shard(block)
+        fully_shard(net)
+        wrapped = net
+    optim = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
+    wrapped(torch.randn(4, width)).sum().backward()
+    optim.step()
+    optim.zero_grad()
+    return wrapped, optim
+
+
+class _Variant:
+    """One variant's model and the three timed operations on it."""
+
+    def __init__(self, name: str, model: dict[str, int], root: Path) -> None:
+        self.name = name
+        self.ours = name.startswith("ours")
+        self.model, self.optim = _build(name, model)
+        self.root = root
+        self.fixed = root / f"{name.replace(' ', '-')}-fixed"
+        self.async_error: str | None = None
+
+    def save(self, path: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
 
         import ckpt
 
-        model = self.models[side]
-        if side == "ours":
-            config = ckpt.FullStateDictConfig(offload_to_cpu=False, rank0_only=True)
-            with ckpt.state_dict_type(model, ckpt.StateDictType.FULL_STATE_DICT, config):
-                sd = model.state_dict()
+        if self.ours:
+            ckpt.save({"model": self.model, "optim": self.optim}, path)
         else:
-            torch_config = TorchFullConfig(offload_to_cpu=False, rank0_only=True)
-            with TorchFSDP.state_dict_type(model, TorchType.FULL_STATE_DICT, torch_config):
-                sd = model.state_dict()
-        total = sum(
-            v.numel() * v.element_size() for v in sd.values() if isinstance(v, torch.Tensor)
-        )
-        self.kept = sd  # alive until the next call, as a caller saving it would hold it
-        return total
+            msd, osd = get_state_dict(self.model, self.optim)
+            dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(path))
 
-    def step(self, side: str, operation: str) -> Callable[[], object]:
-        if operation == "save sharded":
-            return lambda: self.save(side, self.root / f"{side}-{next(self.counter)}")
-        if operation == "load sharded":
-            return lambda: self.load(side)
-        return lambda: self.full_rank0(side)
+    def async_save(self, path: Path) -> tuple[float, float]:
+        """Seconds until the call returned, and until the save was committed."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        import ckpt
+
+        start = time.perf_counter()
+        if self.ours:
+            handle = ckpt.async_save({"model": self.model, "optim": self.optim}, path)
+            returned = time.perf_counter()
+            handle.wait()
+        else:
+            msd, osd = get_state_dict(self.model, self.optim)
+            future = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=str(path))
+            returned = time.perf_counter()
+            future.result()
+        return returned - start, time.perf_counter() - start
+
+    def load(self) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        import ckpt
+
+        if self.ours:
+            ckpt.load({"model": self.model, "optim": self.optim}, self.fixed)
+            return
+        msd, osd = get_state_dict(self.model, self.optim)
+        state = {"model": msd, "optim": osd}
+        dcp.load(state, checkpoint_id=str(self.fixed))
+        set_state_dict(
+            self.model, self.optim, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        )
+
+
+def _state_bytes(variant: _Variant) -> int:
+    """Bytes of this rank's shards of the parameters and the optimizer state."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    total = sum(local(p).numel() * p.element_size() for p in variant.model.parameters())
+    for state in variant.optim.state.values():
+        for v in state.values():
+            if isinstance(v, torch.Tensor):
+                total += local(v).numel() * v.element_size()
+    return total
+
+
+def _disk_write(folder: Path, nbytes: int) -> None:
+    """Write ``nbytes`` to a new file in one call and fsync it (what the disk takes)."""
+    path = folder / f"disk-{os.getpid()}"
+    data = bytearray(nbytes)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+        path.unlink()
 
 
 def _shared_root() -> Path:
     """One temporary directory for both ranks (rank 0 creates it, then broadcasts)."""
     import torch.distributed as dist
 
-    box = [tempfile.mkdtemp(prefix="bench-ckpt-") if dist.get_rank() == 0 else None]
+    where = os.environ.get("BENCH_CKPT_DIR")  # another disk than the temporary folder's
+    box = [tempfile.mkdtemp(prefix="bench-ckpt-", dir=where) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     assert box[0] is not None
     return Path(box[0])
 
 
-def _cleanup(root: Path) -> None:
+def _timed(fn: Callable[[], object]) -> float:
     import torch.distributed as dist
 
     dist.barrier()
-    if dist.get_rank() == 0:
-        shutil.rmtree(root, ignore_errors=True)
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
-def _timing_rank(model: dict[str, int], warmup: int, iters: int) -> dict[str, Any]:
-    root = _shared_root()
-    try:
-        bench = _Bench(model, root, SIDES)
-        for side in SIDES:
-            bench.save(side, bench.fixed(side))
-        steps = {f"{side}|{op}": bench.step(side, op) for side in SIDES for op in TIMED_TOGETHER}
-        times = time_round_robin(steps, warmup=warmup, iters=iters)
-        return {"times": times, "param_bytes": bench.param_bytes}
-    finally:
-        _cleanup(root)
-
-
-def _current_rss() -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def _reset_peak() -> bool:
-    """Reset VmHWM to the current RSS (Linux); False where that is not possible."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def _memory_rank(side: str, operation: str, model: dict[str, int]) -> dict[str, Any]:
-    import gc
-
+def _timing_rank(model: dict[str, int], warmup: int, rounds: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     root = _shared_root()
     try:
-        bench = _Bench(model, root, (side,))
-        if operation == "load sharded":
-            bench.save(side, bench.fixed(side))
-        gc.collect()
-        dist.barrier()
-        reset = _reset_peak()
-        before = _current_rss()
-        start = time.perf_counter()
-        bench.step(side, operation)()
-        elapsed = time.perf_counter() - start
-        extra = peak_rss_bytes() - before
-        return {"extra": extra if reset else None, "peak": peak_rss_bytes(), "time": elapsed}
+        variants = [_Variant(name, model, root) for name in VARIANTS]
+        state_bytes = _state_bytes(variants[0])
+        for v in variants:
+            v.save(v.fixed)
+        times: dict[str, list[float]] = {}
+        counter = 0
+
+        def record(key: str, seconds: float) -> None:
+            times.setdefault(key, []).append(seconds)
+
+        for i in range(warmup + rounds):
+            keep = i >= warmup
+            order = variants[i % len(variants) :] + variants[: i % len(variants)]
+            for v in order:
+                counter += 1
+                path = root / f"save-{counter}"
+                seconds = _timed(lambda v=v, path=path: v.save(path))
+                if keep:
+                    record(f"{v.name}|sync save", seconds)
+                if v.async_error is None:
+                    dist.barrier()
+                    try:
+                        blocked, total = v.async_save(root / f"async-{counter}")
+                    except Exception as e:  # torch's FSDP1 on the CPU
+                        v.async_error = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+                    else:
+                        if keep:
+                            record(f"{v.name}|async: training blocked", blocked)
+                            record(f"{v.name}|async: until committed", total)
+                seconds = _timed(v.load)
+                if keep:
+                    record(f"{v.name}|load", seconds)
+            seconds = _timed(lambda: _disk_write(root, state_bytes))
+            if keep:
+                record(f"{DISK}|write", seconds)
+            dist.barrier()
+            if dist.get_rank() == 0:  # the round's checkpoints, not the fixed ones
+                for p in root.iterdir():
+                    if p.name.startswith(("save-", "async-", ".save-", ".async-")):
+                        shutil.rmtree(p, ignore_errors=True)
+            dist.barrier()
+        errors = {v.name: v.async_error for v in variants if v.async_error is not None}
+        return {"times": times, "state_bytes": state_bytes, "async_errors": errors}
     finally:
-        _cleanup(root)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(root, ignore_errors=True)
 
 
 def run(options: Options) -> list[Table]:
-    """Time the variants together, measure each alone, tabulate ours against torch's."""
+    """Time every variant's save, async save and load in rotating rounds, and the disk."""
     model = QUICK_MODEL if options.quick else MODEL
-    warmup, iters = (1, 2) if options.quick else (1, 5)
-    names = [f"{side}|{op}" for side in SIDES for op in OPERATIONS]
-    together = [f"{side}|{op}" for side in SIDES for op in TIMED_TOGETHER]
-    timed: dict[str, list[list[float]]] = {n: [[] for _ in range(WORLD_SIZE)] for n in names}
-    param_bytes = 0
+    warmup, rounds = (1, 2) if options.quick else (1, 5)
+    pooled: dict[str, list[list[float]]] = {}
+    state_bytes: list[int] = []
+    errors: dict[str, str] = {}
+    load_before = os.getloadavg()[0]
     for _ in range(options.repeats):
-        ranks = launch(_timing_rank, WORLD_SIZE, model, warmup, iters, timeout=3600)
+        ranks = launch(_timing_rank, WORLD_SIZE, model, warmup, rounds, timeout=3600)
+        state_bytes = [r["state_bytes"] for r in ranks]
+        errors.update(ranks[0]["async_errors"])
         for rank, result in enumerate(ranks):
-            param_bytes = result["param_bytes"]
-            for n in together:
-                timed[n][rank] += result["times"][n]
-    memory = {
-        n: launch(_memory_rank, WORLD_SIZE, *n.split("|"), model, timeout=1800) for n in names
-    }
-    alone = [n for n in names if n not in together]
-    for n in alone:
-        for rank, r in enumerate(memory[n]):
-            timed[n][rank].append(r["time"])
-    for i in range(1, iters):  # more fresh runs, alternating which side goes first
-        for n in alone if i % 2 else alone[::-1]:
-            for rank, r in enumerate(launch(_memory_rank, WORLD_SIZE, *n.split("|"), model)):
-                timed[n][rank].append(r["time"])
-    times = {n: median_step_s(timed[n]) for n in names}
-    extra = {
-        n: max((r["extra"] for r in memory[n] if r["extra"] is not None), default=0) for n in names
-    }
+            for key, values in result["times"].items():
+                pooled.setdefault(key, [[] for _ in range(WORLD_SIZE)])[rank] += values
+    load_after = os.getloadavg()[0]
+    median = {key: median_step_s(per_rank) for key, per_rank in pooled.items()}
+    disk_s = median[f"{DISK}|write"]
+    total_bytes = sum(state_bytes)
+    params = model["blocks"] * 2 * (model["width"] ** 2 + model["width"])
     table = Table(
-        f"Checkpointing GPT({', '.join(f'{k}={v}' for k, v in model.items())}) = "
-        f"{fmt_bytes(param_bytes)} fp32 under FULL_SHARD (a unit per Block), {WORLD_SIZE} "
-        f"ranks, gloo/CPU: median of {iters * options.repeats} runs",
-        [
-            "operation",
-            "ours",
-            "torch",
-            "time vs torch",
-            "ours peak extra",
-            "torch peak extra",
-            "memory vs torch",
-        ],
+        f"Checkpoints of {params / 1e6:.1f}M parameters + AdamW ({fmt_bytes(total_bytes)} of "
+        f"state, {fmt_bytes(max(state_bytes))} per rank), {WORLD_SIZE} gloo ranks on the "
+        f"CPU: median of {rounds * options.repeats} rounds, variants in rotating order",
+        ["operation", *VARIANTS, "ours FSDP1 / FSDP2", "ours fully_shard / FSDP2", DISK],
     )
-    for op in OPERATIONS:
-        ours, theirs = f"ours|{op}", f"torch|{op}"
-        table.add(
-            op,
-            fmt_ms(times[ours]),
-            fmt_ms(times[theirs]),
-            ratio(times[ours], times[theirs]),
-            fmt_bytes(extra[ours]),
-            fmt_bytes(extra[theirs]),
-            ratio(extra[ours], extra[theirs]),
-        )
+    for row in ROWS:
+        cells = []
+        for v in VARIANTS:
+            key = f"{v}|{row}"
+            cells.append(fmt_ms(median[key]) if key in median else "fails")
+        ours = [
+            ratio(median[f"{v}|{row}"], median[f"{BASELINE}|{row}"])
+            if f"{v}|{row}" in median and f"{BASELINE}|{row}" in median
+            else "-"
+            for v in ("ours FSDP1", "ours fully_shard")
+        ]
+        disk = fmt_ms(disk_s) if row in ("sync save", "async: until committed") else ""
+        table.add(row, *cells, *ours, disk)
+    rate = max(state_bytes) / disk_s / 2**20 if disk_s else 0.0
     table.notes += [
-        "peak extra: the largest rank's peak RSS during the operation above its RSS before",
-        f"full rank0_only: {iters} fresh process pairs per side (see the module docstring)",
-        "ours save includes CRC-32 hashing of every file and the atomic commit; ours load "
-        "includes verifying them",
+        f"disk: each rank writes its {fmt_bytes(max(state_bytes))} in one write + fsync, both "
+        f"at once: {fmt_ms(disk_s)} ({rate:.0f} MiB/s per rank, "
+        f"{total_bytes / disk_s / 2**20 if disk_s else 0:.0f} MiB/s together)",
+        "ours: ckpt (CRC-32 manifest written while saving, atomic rename; load verifies every "
+        "file first); torch: get_state_dict + DCP (no manifest, no rename)",
+        *(f"{name} async_save: {error}" for name, error in errors.items()),
+        f"load average {load_before:.2f} before, {load_after:.2f} after; "
         f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}",
     ]
-    return [table]
+    spread = Table(
+        "The same rounds: each timed operation's fastest and slowest round (max over ranks)",
+        ["operation", *VARIANTS],
+    )
+    for row in ROWS:
+        cells = []
+        for v in VARIANTS:
+            per_rank = pooled.get(f"{v}|{row}")
+            if per_rank is None:
+                cells.append("fails")
+                continue
+            steps = [max(ts) for ts in zip(*per_rank, strict=True)]
+            cells.append(f"{min(steps) * 1e3:.0f}-{max(steps) * 1e3:.0f} ms")
+        spread.add(row, *cells)
+    disk_steps = [max(ts) for ts in zip(*pooled[f"{DISK}|write"], strict=True)]
+    spread.notes.append(f"disk: {min(disk_steps) * 1e3:.0f}-{max(disk_steps) * 1e3:.0f} ms")
+    return [table, spread]

@@ -13,13 +13,15 @@ synchronisation at the end), and views that share a storage (every run of one fl
 shard, ``fully_shard``'s parameters inside their group's region) are copied once, as
 that storage, and come out as views of its copy.
 
-One thing is done around it: a ``DTensor`` is staged as its local tensor and rebuilt
-on the copy with the same mesh, placements, shape and stride (the stager's deep copy of
-a ``DTensor`` reads the wrapper's own storage, which is invalid for a ``DTensor`` whose
-local tensor is a view at an offset, as ``fully_shard``'s are). Other values
-(:class:`~ckpt._pieces.FlatPieces`, plain objects) are deep-copied by the stager, their
-tensors staged like the rest, so a plain value changed after ``async_save`` returned
-does not reach the checkpoint either.
+Around it: the state dict's tensors and mutable values are taken out into one list,
+staged in one call (so the stager's memo sees every view of a storage) and put back.
+A ``DTensor`` is staged as its local tensor and rebuilt on the copy with the same mesh,
+placements, shape and stride (the stager's deep copy of a ``DTensor`` reads the
+wrapper's own storage, which is invalid for a ``DTensor`` whose local tensor is a view
+at an offset, as ``fully_shard``'s are); :class:`~ckpt._pieces.FlatPieces` as their
+run. Other values (plain objects) are deep-copied by the stager, their tensors staged
+like the rest, so a value changed after ``async_save`` returned does not reach the
+checkpoint either; immutable ones (numbers, strings) are kept as they are.
 
 The buffers hold one host copy of the last asynchronously saved state per process for
 as long as the model's tensors live; :func:`release_staging_buffers` frees them.
@@ -28,49 +30,70 @@ as long as the model's tensors live; :func:`release_staging_buffers` frees them.
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.tensor import DTensor
+
+from ckpt._pieces import FlatPieces
 
 __all__ = ["release_staging_buffers", "stage"]
 
 
-class _LocalOf:
-    """A ``DTensor``'s local tensor while it is staged; ``index`` finds its layout."""
-
-    def __init__(self, local: Tensor, index: int) -> None:
-        self.local = local
-        self.index = index
+_IMMUTABLE = (str, bytes, int, float, bool, complex, type(None), torch.dtype, torch.device)
 
 
-_Layout = tuple[Any, Any, torch.Size, tuple[int, ...]]  # mesh, placements, shape, stride
+@dataclass(frozen=True)
+class _Taken:
+    """Where a value was in the state dict: ``items[index]`` staged, then rebuilt as
+    it was (a plain value or tensor; a ``DTensor`` from its local tensor, ``layout``
+    its mesh, placements, shape and stride; pieces from their run, ``layout`` the
+    shape and start)."""
+
+    index: int
+    kind: str  # "value", "dtensor" or "pieces"
+    layout: tuple[Any, ...] = ()
 
 
-def _unwrap(value: Any, layouts: list[_Layout]) -> Any:
+def _take(value: Any, items: list[Any]) -> Any:
+    """``value`` with every tensor and mutable leaf moved to ``items`` (see [Note: staging])."""
+    if isinstance(value, dict):
+        return {k: _take(v, items) for k, v in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(_take(v, items) for v in value)
+    if isinstance(value, _IMMUTABLE):
+        return value
+    items.append(value)
     if isinstance(value, DTensor):
-        layouts.append((value.device_mesh, value.placements, value.shape, value.stride()))
-        return _LocalOf(value.to_local().detach(), len(layouts) - 1)
+        items[-1] = value.to_local().detach()
+        layout = (value.device_mesh, value.placements, value.shape, value.stride())
+        return _Taken(len(items) - 1, "dtensor", layout)
+    if isinstance(value, FlatPieces):
+        items[-1] = value.local
+        return _Taken(len(items) - 1, "pieces", (value.shape, value.start))
+    return _Taken(len(items) - 1, "value")
+
+
+def _put(value: Any, staged: list[Any]) -> Any:
+    """The state dict back, its taken values replaced by their staged copies."""
     if isinstance(value, dict):
-        return {k: _unwrap(v, layouts) for k, v in value.items()}
-    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
-        return type(value)(_unwrap(v, layouts) for v in value)
-    return value
-
-
-def _rewrap(value: Any, layouts: list[_Layout]) -> Any:
-    if isinstance(value, _LocalOf):
-        mesh, placements, shape, stride = layouts[value.index]
+        return {k: _put(v, staged) for k, v in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(_put(v, staged) for v in value)
+    if not isinstance(value, _Taken):
+        return value
+    copy = staged[value.index]
+    if value.kind == "dtensor":
+        mesh, placements, shape, stride = value.layout
         return DTensor.from_local(
-            value.local, mesh, placements, run_check=False, shape=shape, stride=stride
+            copy, mesh, placements, run_check=False, shape=shape, stride=stride
         )
-    if isinstance(value, dict):
-        return {k: _rewrap(v, layouts) for k, v in value.items()}
-    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
-        return type(value)(_rewrap(v, layouts) for v in value)
-    return value
+    if value.kind == "pieces":
+        shape, start = value.layout
+        return FlatPieces(copy, shape, start)
+    return copy
 
 
 class _Buffers:
@@ -100,10 +123,14 @@ def stage(state_dict: dict[str, Any]) -> dict[str, Any]:
                 use_non_blocking_copy=cuda,
             )
             _Buffers.stager, _Buffers.cuda = DefaultStager(options), cuda
-        layouts: list[_Layout] = []
-        staged = _Buffers.stager.stage(_unwrap(state_dict, layouts))
-    assert isinstance(staged, dict)
-    return dict(_rewrap(staged, layouts))
+        items: list[Any] = []
+        skeleton = _take(state_dict, items)
+        # One list: storages shared by several tensors are copied once, in one pass.
+        done = _Buffers.stager.stage({"items": items})  # not a Future: staging is blocking
+    assert isinstance(done, dict)
+    staged = done["items"]
+    assert isinstance(staged, list) and len(staged) == len(items)
+    return dict(_put(skeleton, staged))
 
 
 def release_staging_buffers() -> None:

@@ -68,7 +68,7 @@ def _load_sync_file_range() -> Callable[[int, int, int, int], int] | None:
     return cast(Callable[[int, int, int, int], int], fn)
 
 
-_sync_file_range = _load_sync_file_range()
+_sync_file_range = None if os.environ.get("CKPT_NO_WB") else _load_sync_file_range()
 
 
 class _Digest:
