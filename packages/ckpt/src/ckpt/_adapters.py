@@ -1,37 +1,38 @@
 """The adapters that let ``ckpt.save``/``ckpt.load`` handle fsdp models and their
 optimizers and ``zero_optim`` optimizers (see [Note: the adapter protocol]).
 
-* an fsdp model is saved as the runs of each original parameter that its rank's flat
-  shards hold ([Note: capture, then copy or write] in ``_fsdp_save_state.py``): DCP
-  reads them by overlap into any layout, so the checkpoint loads at any world size and
-  into torch's FSDP1/``fully_shard``; it is loaded through its SHARDED state dict
-  (dimension-0 chunks). With the LOCAL state-dict type selected on the model, the flat
-  shards themselves are saved (only loadable at the same world size, checked first);
-* an optimizer over an fsdp model (either ``use_orig_params``): FQN-keyed state, saved
-  as runs like the parameters and loaded as DTensor chunks, the same for both modes, so
-  one loads into the other;
+* an fsdp model is saved and loaded as the runs of each original parameter that its
+  rank's flat shards hold ([Note: capture, then copy or write] and [Note: loading
+  runs] in ``_fsdp_runs.py``): DCP reads by overlap, so the checkpoint loads at any
+  world size and into torch's FSDP1/``fully_shard``, and loads checkpoints of any
+  layout (theirs: dimension-0 chunks). With the LOCAL state-dict type selected on the
+  model, the flat shards themselves are saved (only loadable at the same world size,
+  checked first);
+* an optimizer over an fsdp model (either ``use_orig_params``): FQN-keyed state, as
+  runs like the parameters, the same for both modes, so one loads into the other;
 * a ZeroRedundancyOptimizer: each rank's own parameters' state, whole.
 
 At save every adapter returns this rank's state by reference, without a collective;
 at load, an optimizer that never stepped first creates its state (a step that changes
-nothing, see ``init_optim_state``) so that DCP has tensors to fill.
+nothing, see ``init_optim_state``) so that there is a layout for DCP to fill.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ckpt._fsdp_model_state import CAPTURE_ATTR, TEMPLATE_ATTR, LocalShardMismatchError
+from ckpt._fsdp_model_state import RUNS_ATTR, LocalShardMismatchError
 from ckpt._fsdp_optim_state import (
-    fsdp_optim_state_dict,
+    fsdp_optim_runs,
     init_optim_state,
     load_fsdp_optim_state_dict,
 )
-from ckpt._fsdp_save_state import fsdp_optim_capture
 from ckpt._optim_state import has_fsdp
 from ckpt._state import StateContext, register_adapter
 from ckpt._state_dict_type import get_state_dict_type, state_dict_type
@@ -72,42 +73,39 @@ class FsdpModuleAdapter:
         return local
 
     def state_dict(self, obj: nn.Module, ctx: StateContext) -> dict[str, Any]:
-        sd_type = StateDictType.SHARDED_STATE_DICT
-        config: StateDictConfig = ShardedStateDictConfig()
-        if self._local(obj, ctx):
-            sd_type, config = StateDictType.LOCAL_STATE_DICT, LocalStateDictConfig()
-        elif ctx.loading:
-            # [Note: bounded device memory at load]
-            # A load's template is on the host: DCP reads into host memory, and loading
-            # moves the chunks to the device one unit at a time (``chunks_to_shard``)
-            # instead of a second copy of the model there.
-            config = ShardedStateDictConfig(offload_to_cpu=True)
-        # At save what this rank writes, by reference ([Note: capture, then copy or
-        # write]); at load a template for DCP to fill (no gather needed).
-        marker = TEMPLATE_ATTR if ctx.loading else CAPTURE_ATTR
-        instances = FullyShardedDataParallel.fsdp_modules(obj)
-        for instance in instances:
-            setattr(instance, marker, True)
-        try:
-            with state_dict_type(obj, sd_type, config):
-                return obj.state_dict()
-        finally:
-            for instance in instances:
-                delattr(instance, marker)
+        local = self._local(obj, ctx)
+        with self._runs(obj, ctx, local):
+            return obj.state_dict()
 
     def load_state_dict(
         self, obj: nn.Module, state_dict: dict[str, Any], ctx: StateContext
     ) -> None:
-        if self._local(obj, ctx):
-            with state_dict_type(obj, StateDictType.LOCAL_STATE_DICT, LocalStateDictConfig()):
-                obj.load_state_dict(state_dict)
-            return
-        with state_dict_type(obj, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig()):
+        local = self._local(obj, ctx)
+        with self._runs(obj, ctx, local):
             obj.load_state_dict(state_dict)
+
+    @contextlib.contextmanager
+    def _runs(self, obj: nn.Module, ctx: StateContext, local: bool) -> Iterator[None]:
+        """The state-dict type for ckpt, and on every instance which runs it handles:
+        at save this rank's by reference, at load fresh buffers for DCP to fill
+        ([Note: capture, then copy or write], [Note: loading runs])."""
+        sd_type = StateDictType.SHARDED_STATE_DICT
+        config: StateDictConfig = ShardedStateDictConfig(offload_to_cpu=ctx.loading)
+        if local:
+            sd_type, config = StateDictType.LOCAL_STATE_DICT, LocalStateDictConfig()
+        instances = FullyShardedDataParallel.fsdp_modules(obj)
+        for instance in instances:
+            setattr(instance, RUNS_ATTR, "load" if ctx.loading else "save")
+        try:
+            with state_dict_type(obj, sd_type, config):
+                yield
+        finally:
+            for instance in instances:
+                delattr(instance, RUNS_ATTR)
 
 
 class FsdpOptimizerAdapter:
-    """torch.optim optimizers over an fsdp model: FQN-keyed, DTensor chunks."""
+    """torch.optim optimizers over an fsdp model: FQN-keyed, as this rank's runs."""
 
     def applies_to(self, obj: object, ctx: StateContext) -> bool:
         if not isinstance(obj, torch.optim.Optimizer) or isinstance(obj, ZeroRedundancyOptimizer):
@@ -118,16 +116,16 @@ class FsdpOptimizerAdapter:
             return False
 
     def state_dict(self, obj: torch.optim.Optimizer, ctx: StateContext) -> dict[str, Any]:
-        if not ctx.loading:  # [Note: capture, then copy or write]
-            return fsdp_optim_capture(ctx.module_for(obj), obj)
-        init_optim_state(obj)
-        # On the host: [Note: bounded device memory at load].
-        return fsdp_optim_state_dict(ctx.module_for(obj), obj, sharded=True, offload_to_cpu=True)
+        # [Note: capture, then copy or write], [Note: loading runs]
+        if ctx.loading:
+            init_optim_state(obj)
+        return fsdp_optim_runs(ctx.module_for(obj), obj, template=ctx.loading)
 
     def load_state_dict(
         self, obj: torch.optim.Optimizer, state_dict: dict[str, Any], ctx: StateContext
     ) -> None:
-        obj.load_state_dict(load_fsdp_optim_state_dict(ctx.module_for(obj), obj, state_dict))
+        model = ctx.module_for(obj)
+        obj.load_state_dict(load_fsdp_optim_state_dict(model, obj, state_dict, runs=True))
 
 
 class ZeroOptimizerAdapter:

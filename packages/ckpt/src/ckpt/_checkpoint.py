@@ -8,7 +8,7 @@ in DCP's last step, writes the manifest and renames the directory into place
 ``_manifest.py`` and [Note: one pass over the bytes] in ``_writer.py``.
 
 ``save`` and ``async_save`` share one path ([Note: capture, then copy or write] in
-``_fsdp_save_state.py``): the state is captured by reference without communication,
+``_fsdp_runs.py``): the state is captured by reference without communication,
 then written at once (``save``), or copied into reused host buffers (``_staging.py``)
 and written on a background thread over the checkpoint's own process group
 (``async_save``).

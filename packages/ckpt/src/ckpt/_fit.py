@@ -24,6 +24,7 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from ckpt._errors import ShapeMismatch, StateDictMismatchError
+from ckpt._pieces import FlatPieces
 
 __all__ = [
     "RankFit",
@@ -43,10 +44,11 @@ _OTHER_MODEL_OVERLAP = 0.5
 
 
 def local_shapes(state_dict: Mapping[str, Any]) -> dict[str, Shape]:
-    """Flattened DCP keys of a state dict with their global shapes (DTensor: global)."""
+    """Flattened DCP keys of a state dict with their global shapes (DTensor, runs:
+    the whole tensor's)."""
     flat, _ = flatten_state_dict(dict(state_dict))
     return {
-        key: tuple(value.shape) if isinstance(value, torch.Tensor) else None
+        key: tuple(value.shape) if isinstance(value, (torch.Tensor, FlatPieces)) else None
         for key, value in flat.items()
     }
 
@@ -62,7 +64,7 @@ def saved_shapes(metadata: Metadata) -> dict[str, Shape]:
 def local_dtypes(state_dict: Mapping[str, Any]) -> dict[str, torch.dtype]:
     """The dtype of every tensor entry of a state dict, by flattened DCP key."""
     flat, _ = flatten_state_dict(dict(state_dict))
-    return {k: v.dtype for k, v in flat.items() if isinstance(v, torch.Tensor)}
+    return {k: v.dtype for k, v in flat.items() if isinstance(v, (torch.Tensor, FlatPieces))}
 
 
 def saved_dtypes(metadata: Metadata) -> dict[str, torch.dtype]:

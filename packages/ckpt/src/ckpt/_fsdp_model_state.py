@@ -49,7 +49,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from ckpt._chunks import chunk_dtensor, full_value, is_chunked_like_ours, mesh_for, to_dtensor
 from ckpt._errors import CheckpointError
-from ckpt._fsdp_save_state import unit_capture
+from ckpt._fsdp_runs import shard_from_runs, unit_runs, unit_template
 from ckpt._loadable import loadable
 from ckpt._unit_exchange import chunks_to_shard, gather_params_on_rank0, shard_to_chunks
 from flatparam import shard_flat
@@ -64,8 +64,7 @@ from fsdp.units import (
 )
 
 __all__ = [
-    "CAPTURE_ATTR",
-    "TEMPLATE_ATTR",
+    "RUNS_ATTR",
     "LocalShardMismatchError",
     "local_shard_of",
     "post_state_dict",
@@ -74,15 +73,12 @@ __all__ = [
 ]
 
 
-TEMPLATE_ATTR = "_ckpt_template_only"
-"""Set (by ckpt.load's adapter) on FSDP instances whose state dict is only a template
-for DCP to fill: SHARDED/FULL entries then get their shapes without any gather."""
-
-CAPTURE_ATTR = "_ckpt_capture"
-"""Set (by ckpt.save's adapter) on FSDP instances whose state dict is what this rank
-writes: SHARDED entries are then its runs of the parameters, views of the shard, and
-LOCAL entries the shard itself, without a copy or a collective (see [Note: capture,
-then copy or write] in ``_fsdp_save_state.py``)."""
+RUNS_ATTR = "_ckpt_runs"
+"""Set by ckpt's adapter on FSDP instances whose SHARDED state dict is this rank's runs
+of the parameters: ``"save"``, views of the shard (and LOCAL entries the shard itself),
+by reference, without a copy or a collective ([Note: capture, then copy or write] in
+``_fsdp_runs.py``); ``"load"``, views of fresh buffers for DCP to fill, which
+``load_state_dict`` then puts into the shard ([Note: loading runs])."""
 
 
 class LocalShardMismatchError(CheckpointError, ValueError):
@@ -112,8 +108,8 @@ def post_state_dict(module: nn.Module, state_dict: dict[str, Any], prefix: str) 
     sd_type, config = _settings(module)
     offload = config.offload_to_cpu
     rank0_only = bool(getattr(config, "rank0_only", False))
-    template = bool(getattr(module, TEMPLATE_ATTR, False))
-    capture = bool(getattr(module, CAPTURE_ATTR, False))
+    runs = getattr(module, RUNS_ATTR, None)
+    capture = runs == "save"
     # A frozen part (fsdp's [Note: frozen part]) is a unit of its own, under its own key;
     # only LOCAL state dicts show the keys.
     produced: dict[str, Any] = {}
@@ -121,13 +117,15 @@ def post_state_dict(module: nn.Module, state_dict: dict[str, Any], prefix: str) 
         state_dict.pop(unit.key, None)
         if sd_type is StateDictType.LOCAL_STATE_DICT:
             produced[unit.key] = _local_dtensor(unit, offload, copy=not capture)
-        elif capture and sd_type is StateDictType.SHARDED_STATE_DICT:
-            for index, value in unit_capture(unit, unit.flat_param).items():
+        elif runs is not None and sd_type is StateDictType.SHARDED_STATE_DICT:
+            dtype = unit.flat_param.dtype
+            made = unit_runs(unit, unit.flat_param) if capture else unit_template(unit, dtype)
+            for index, value in made.items():
                 entry = unit.params[index]
                 for key in (entry.fqn, *entry.aliases):
                     produced[key] = value
         else:
-            produced.update(_unit_params(unit, sd_type, offload, rank0_only, template))
+            produced.update(_unit_params(unit, sd_type, offload, rank0_only))
     _strip_inner_prefix(module, state_dict, prefix, offload and not capture)
     state_dict.update(produced)
     if rank0_only and dist.get_rank() != 0:
@@ -136,29 +134,25 @@ def post_state_dict(module: nn.Module, state_dict: dict[str, Any], prefix: str) 
 
 
 def _unit_params(
-    unit: FlatUnit, sd_type: StateDictType, offload: bool, rank0_only: bool, template: bool
+    unit: FlatUnit, sd_type: StateDictType, offload: bool, rank0_only: bool
 ) -> dict[str, Any]:
     """FULL or SHARDED entries of one unit (see [Note: one unit at a time])."""
     device = torch.device("cpu") if offload else unit.sharding.device
     sharded = sd_type is StateDictType.SHARDED_STATE_DICT
     group = unit.sharding.group
     values: list[Any]
-    if sharded and unit.sharded and not template:
+    if sharded and unit.sharded:
         chunks = shard_to_chunks(unit, unit.flat_param.detach(), device)
         values = [
             chunk_dtensor(c, e.shape, group) for c, e in zip(chunks, unit.params, strict=True)
         ]
-    elif rank0_only and not sharded and not template:
+    elif rank0_only and not sharded:
         gathered = gather_params_on_rank0(unit, unit.flat_param.detach(), device)
         if gathered is None:
             return {}
         values = list(gathered)
     else:
-        if template:
-            # A template for DCP to fill (ckpt.load): the shapes matter, not the values.
-            full = torch.empty(unit.layout.full_numel, dtype=unit.flat_param.dtype)
-        else:
-            full = gather_flat(unit, unit.flat_param.detach())  # collective: every rank
+        full = gather_flat(unit, unit.flat_param.detach())  # collective: every rank
         values = []
         for entry in unit.params:
             param = full[entry.start : entry.end].view(entry.shape)
@@ -265,12 +259,15 @@ def pre_load_state_dict(
     """Rebuild this rank's shard from the incoming entries (see [Note: one unit at a time])."""
     assert_idle(module, "load_state_dict")
     sd_type, _ = _settings(module)
+    runs = getattr(module, RUNS_ATTR, None) == "load"
     shards: list[tuple[FlatUnit, Tensor | None]] = []
     for unit in instance_flat_units(module, prefix):
         shard: Tensor | None = None
         if sd_type is StateDictType.LOCAL_STATE_DICT:
             if unit.key in state_dict:
                 shard = local_shard_of(unit, state_dict.pop(unit.key), unit.key)
+        elif runs and sd_type is StateDictType.SHARDED_STATE_DICT:
+            shard = _shard_from_runs(unit, state_dict, missing_keys)
         else:
             shard = _shard_from_params(unit, state_dict, missing_keys, error_msgs)
         shards.append((unit, shard))
@@ -282,6 +279,28 @@ def pre_load_state_dict(
     for unit, shard in shards:
         # Missing or mismatched entries were reported; keep the current values.
         state_dict[unit.key] = unit.flat_param.detach() if shard is None else shard
+
+
+def _shard_from_runs(
+    unit: FlatUnit, state_dict: dict[str, Any], missing_keys: list[str]
+) -> Tensor | None:
+    """This rank's shard from the runs a ``RUNS_ATTR="load"`` template made and DCP
+    filled ([Note: loading runs] in ``_fsdp_runs.py``): no collective."""
+    held = unit_runs(unit, unit.flat_param)  # which parameters this rank has runs of
+    runs: dict[int, Any] = {}
+    missing: list[str] = []
+    for index, entry in enumerate(unit.params):
+        for alias in entry.aliases:
+            state_dict.pop(alias, None)
+        value = state_dict.pop(entry.fqn, None)
+        if value is not None:
+            runs[index] = value
+        elif index in held:
+            missing.append(entry.fqn)
+    if missing:
+        missing_keys.extend(missing)
+        return None
+    return shard_from_runs(unit, runs, unit.flat_param.dtype, unit.flat_param.device)
 
 
 def _shard_from_params(

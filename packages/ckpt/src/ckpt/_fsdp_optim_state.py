@@ -45,8 +45,14 @@ from torch.distributed.tensor import DTensor
 
 from ckpt._chunks import chunk_dtensor, full_value, is_chunked_like_ours, to_dtensor
 from ckpt._comm import device_of, on_device
+from ckpt._fsdp_runs import shard_from_runs, unit_runs, unit_template
 from ckpt._loadable import LoadableState
-from ckpt._orig_optim_state import load_orig_param_state, orig_unit_state
+from ckpt._orig_optim_state import (
+    load_orig_param_state,
+    orig_param_runs,
+    orig_state_from_runs,
+    orig_unit_state,
+)
 from ckpt._unit_exchange import chunks_to_shard, shard_to_chunks
 from flatparam import shard_flat
 from fsdp import to_fsdp_type, unwrapped_name
@@ -55,6 +61,7 @@ from fsdp.units import FlatUnit, flat_units, gather_flat
 
 __all__ = [
     "flatten_sharded_optim_state_dict",
+    "fsdp_optim_runs",
     "fsdp_optim_state_dict",
     "full_optim_state_dict",
     "init_optim_state",
@@ -248,6 +255,58 @@ def fsdp_optim_state_dict(
     return {"state": state, "param_groups": _named_groups(osd["param_groups"], params, slots)}
 
 
+def _flat_unit_runs(
+    unit: FlatUnit, saved: Mapping[str, Any], template: bool
+) -> dict[str, dict[str, Any]]:
+    """FQN -> this rank's runs of each parameter of a flat unit (``use_orig_params=False``)
+    and its per-parameter values, by reference or as a load's template."""
+    per_param: dict[str, dict[str, Any]] = {e.fqn: {} for e in unit.params}
+    for key, value in saved.items():
+        if _is_flat_state(value, unit):
+            runs = unit_template(unit, value.dtype) if template else unit_runs(unit, value)
+            for i, run in runs.items():
+                per_param[unit.params[i].fqn][key] = run
+        else:
+            kept = (
+                value.detach().to("cpu", copy=True)
+                if template and isinstance(value, Tensor)
+                else value
+            )
+            for e in unit.params:
+                per_param[e.fqn][key] = kept
+    return {fqn: state for fqn, state in per_param.items() if state}
+
+
+def fsdp_optim_runs(
+    model: nn.Module, optim: torch.optim.Optimizer, *, template: bool = False
+) -> dict[str, Any]:
+    """The FQN-keyed optimizer state of an fsdp model as this rank's runs, without a
+    collective: by reference for a save ([Note: capture, then copy or write] in
+    ``_fsdp_runs.py``), or fresh host tensors of the same layout for a load to fill
+    (``template``, [Note: loading runs]). A value that cannot be a run is a
+    ``CaptureProblem`` in its place, which the planner raises on every rank."""
+    osd = optim.state_dict()
+    slots = _slots(model)
+    params = _optim_params(optim)
+    device = torch.device("cpu") if template else None
+    state: dict[str, dict[str, Any]] = {}
+    for index, p in enumerate(p for ps in params for p in ps):
+        saved = osd["state"].get(index)
+        if saved is None:
+            continue
+        slot = _slot_of(slots, p)
+        if slot.unit is None:
+            state[slot.fqn] = (
+                {k: _copy(v, device) for k, v in saved.items()} if template else dict(saved)
+            )
+        elif slot.index is None:
+            state.update(_flat_unit_runs(slot.unit, saved, template))
+        else:
+            fqn = slot.unit.params[slot.index].fqn
+            state[fqn] = orig_param_runs(slot.unit, slot.index, saved, template=template)
+    return {"state": state, "param_groups": _named_groups(osd["param_groups"], params, slots)}
+
+
 def _check_groups(
     saved: Sequence[Mapping[str, Any]], current: Sequence[Sequence[str]], what: str
 ) -> None:
@@ -314,15 +373,40 @@ def _flat_state_of_unit(
     return out
 
 
+def _flat_state_from_runs(
+    unit: FlatUnit, named_state: Mapping[str, Mapping[str, Any]], current: Mapping[str, Any]
+) -> dict[str, Any] | None:
+    """A flat unit's state (this rank's shard) from its runs, as the load template made
+    them; ``current`` (the optimizer's own state of the unit) says which keys are per
+    element (a 0-dim parameter's run is a 0-dim tensor too)."""
+    states = [named_state.get(e.fqn) for e in unit.params]
+    if not any(states):
+        return None
+    out: dict[str, Any] = {}
+    for key in dict.fromkeys(k for s in states if s for k in s):
+        values = {i: s[key] for i, s in enumerate(states) if s is not None and key in s}
+        now = current.get(key)
+        if isinstance(now, Tensor) and _is_flat_state(now, unit):
+            out[key] = shard_from_runs(unit, values, now.dtype, now.device)
+            continue
+        first = next(iter(values.values()))
+        out[key] = first.detach().clone() if isinstance(first, Tensor) else copy.deepcopy(first)
+    return out
+
+
 def load_fsdp_optim_state_dict(
     model: nn.Module,
     optim: torch.optim.Optimizer,
     named: Mapping[str, Any],
     what: str = "optim_state_dict_to_load",
+    *,
+    runs: bool = False,
 ) -> dict[str, Any]:
     """The ``optim.load_state_dict`` input (integer keys, flat shards) from an FQN-keyed one.
 
-    Accepts the full and the sharded form (DTensor values are gathered: a collective).
+    Accepts the full and the sharded form (DTensor values are gathered: a collective),
+    or with ``runs`` this rank's runs as ckpt's load template made them ([Note: loading
+    runs] in ``_fsdp_runs.py``; no collective).
     """
     if not isinstance(named, Mapping) or "state" not in named or "param_groups" not in named:
         raise ValueError(
@@ -349,9 +433,14 @@ def load_fsdp_optim_state_dict(
     for ps in params:
         for p in ps:
             slot = _slot_of(slots, p)
+            current = optim.state.get(p, {})
             if slot.unit is not None and slot.index is not None:
                 fqn = slot.fqns()[0]
-                piece = load_orig_param_state(slot.unit, slot.index, named["state"].get(fqn), what)
+                saved = named["state"].get(fqn)
+                if runs:
+                    piece = orig_state_from_runs(slot.unit, slot.index, saved, current)
+                else:
+                    piece = load_orig_param_state(slot.unit, slot.index, saved, what)
                 if piece is not None:
                     state[index] = piece
             elif slot.unit is None:
@@ -362,7 +451,10 @@ def load_fsdp_optim_state_dict(
                         for k, v in saved.items()
                     }
             else:
-                flat = _flat_state_of_unit(slot.unit, named["state"], what)
+                if runs:
+                    flat = _flat_state_from_runs(slot.unit, named["state"], current)
+                else:
+                    flat = _flat_state_of_unit(slot.unit, named["state"], what)
                 if flat is not None:
                     state[index] = flat
             index += 1

@@ -45,10 +45,20 @@ from torch import Tensor
 
 from ckpt._chunks import chunk_dtensor, full_value, to_dtensor
 from ckpt._comm import on_device
+from ckpt._fsdp_runs import as_run
+from ckpt._pieces import FlatPieces
+from ckpt._save_planner import CaptureProblem
 from ckpt._unit_exchange import shard_to_chunks
 from fsdp.units import FlatUnit, gather_flat
 
-__all__ = ["LocalPiece", "load_orig_param_state", "local_pieces", "orig_unit_state"]
+__all__ = [
+    "LocalPiece",
+    "load_orig_param_state",
+    "local_pieces",
+    "orig_param_runs",
+    "orig_state_from_runs",
+    "orig_unit_state",
+]
 
 
 @dataclass(frozen=True)
@@ -245,3 +255,68 @@ def load_orig_param_state(
             local = full.detach().reshape(-1)[piece.param_start : piece.param_end]
             out[key] = local.view(piece.shape).to(device, copy=True)
     return out if piece is not None else None
+
+
+def orig_state_from_runs(
+    unit: FlatUnit, index: int, saved: Mapping[str, Any] | None, current: Mapping[str, Any]
+) -> dict[str, Any] | None:
+    """This rank's optimizer state of original parameter ``index`` from its run, as ckpt's
+    load template made it ([Note: loading runs] in ``_fsdp_runs.py``; no collective).
+
+    ``current`` (the optimizer's own state of the parameter) says which keys are per
+    element: a 0-dim parameter's run is a 0-dim tensor too. ``None`` when nothing was
+    saved or this rank holds no piece of the parameter.
+    """
+    piece = local_pieces(unit).get(index)
+    if saved is None or piece is None:
+        return None
+    device = unit.flat_param.device
+    out: dict[str, Any] = {}
+    for key, value in saved.items():
+        now = current.get(key)
+        if isinstance(value, FlatPieces):
+            out[key] = value.local.view(piece.shape).to(device, copy=True)
+        elif isinstance(value, Tensor) and isinstance(now, Tensor) and now.dim() > 0:
+            out[key] = value.detach().reshape(piece.shape).to(device, copy=True)
+        elif isinstance(value, Tensor):
+            out[key] = value.detach().clone()
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def orig_param_runs(
+    unit: FlatUnit, index: int, saved: Mapping[str, Any], *, template: bool
+) -> dict[str, Any]:
+    """The state of original parameter ``index`` as this rank's run of it, from its
+    optimizer state of its piece (1-D; the whole parameter when unsharded): by reference
+    for a save, fresh host tensors of the same layout for a load (``template``); see
+    [Note: capture, then copy or write] in ``_fsdp_runs.py``. No collective."""
+    entry = unit.params[index]
+    piece = local_pieces(unit).get(index)
+    out: dict[str, Any] = {}
+    for key, value in saved.items():
+        if not isinstance(value, Tensor) or value.dim() == 0:  # per parameter (step)
+            is_tensor = isinstance(value, Tensor)
+            out[key] = value.detach().to("cpu", copy=True) if template and is_tensor else value
+        elif entry.numel == 0:
+            out[key] = value.new_empty(entry.shape, device="cpu")
+        elif piece is None:
+            if value.numel():
+                out[key] = CaptureProblem(
+                    f"optimizer state {key!r} of {entry.fqn} has {value.numel()} elements on a "
+                    f"rank that holds none of the parameter"
+                )
+        elif tuple(value.shape) != tuple(piece.shape):
+            out[key] = CaptureProblem(
+                f"optimizer state {key!r} of {entry.fqn} has shape {tuple(value.shape)}, the "
+                f"parameter's local piece {tuple(piece.shape)}; under use_orig_params=True ckpt "
+                "saves per-element state laid out like the parameter (exp_avg, ...) and "
+                "per-parameter values (step), not other shapes (e.g. factored moments)"
+            )
+        else:
+            local = value.detach().reshape(-1)
+            if template:
+                local = torch.empty(local.numel(), dtype=local.dtype)
+            out[key] = as_run(local, entry.shape, piece.param_start)
+    return out

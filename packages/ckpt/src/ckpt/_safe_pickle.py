@@ -34,15 +34,24 @@ from pathlib import Path
 from typing import IO, Any
 
 import torch
+from torch import Tensor
 from torch.distributed.checkpoint import filesystem as _dcp_filesystem
 from torch.distributed.checkpoint import metadata as _dcp_metadata
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+)
 from torch.distributed.checkpoint.planner import ReadItem
 
 from ckpt._errors import CorruptCheckpointError, FileProblem, UnsafeCheckpointError
+from ckpt._pieces import FlatPieces
+from ckpt._save_planner import CaptureError, CaptureProblem
 
 __all__ = [
     "METADATA_NAME",
@@ -218,7 +227,14 @@ class SafeFileSystemReader(FileSystemReader):
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's default load planner, reading non-tensor values with weights_only."""
+    """DCP's default load planner, reading non-tensor values with weights_only.
+
+    It also reads into :class:`~ckpt._pieces.FlatPieces` (an fsdp rank's runs of its
+    parameters, [Note: loading runs] in ``_fsdp_runs.py``): DCP's planner looks targets
+    up only on tensors, and its set-up step replaces values it does not know with None,
+    so the pieces are set aside during it and looked up here. A ``CaptureProblem`` in
+    the template fails this rank's planning step, which DCP reports on every rank.
+    """
 
     _directory: Path
     _safe_globals: SafeGlobals
@@ -230,6 +246,33 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         self._directory = directory
         self._safe_globals = safe_globals
 
+    def set_up_planner(
+        self,
+        state_dict: dict[str, Any],
+        metadata: Metadata | None = None,
+        is_coordinator: bool = False,
+    ) -> None:
+        flat, _ = flatten_state_dict(state_dict)
+        problems = [f"{k}: {v.message}" for k, v in flat.items() if isinstance(v, CaptureProblem)]
+        if problems:
+            raise CaptureError("; ".join(problems))
+        pieces = {k: v for k, v in flat.items() if isinstance(v, FlatPieces)}
+        aside = _set_aside(state_dict, FlatPieces)
+        try:
+            super().set_up_planner(state_dict, metadata, is_coordinator)
+        finally:
+            for container, key, value in aside:
+                container[key] = value
+        self.state_dict.update(pieces)
+
+    def lookup_tensor(self, index: MetadataIndex) -> Tensor:
+        value = self.state_dict.get(index.fqn)
+        if isinstance(value, FlatPieces):
+            if index.offset is None:
+                raise ValueError(f"{index.fqn}: a box of this rank's run needs its offsets")
+            return value.box_tensor(tuple(index.offset))
+        return super().lookup_tensor(index)
+
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         """Unpickle one non-tensor value safely and put it where DCP would."""
         fqn = read_item.dest_index.fqn
@@ -238,6 +281,24 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             set_element(self.original_state_dict, self.mappings[fqn], obj)
         else:
             self.state_dict[fqn] = obj
+
+
+def _set_aside(tree: Any, kind: type) -> list[tuple[Any, Any, Any]]:
+    """Replace every ``kind`` value in nested dicts and lists by an empty tensor (which
+    DCP's set-up step leaves alone); (container, key, value) to put them back."""
+    found: list[tuple[Any, Any, Any]] = []
+    items: Iterable[tuple[Any, Any]] = ()
+    if isinstance(tree, dict):
+        items = list(tree.items())
+    elif isinstance(tree, list):
+        items = list(enumerate(tree))
+    for key, value in items:
+        if isinstance(value, kind):
+            found.append((tree, key, value))
+            tree[key] = torch.empty(0)
+        else:
+            found.extend(_set_aside(value, kind))
+    return found
 
 
 def check_objects(
