@@ -332,17 +332,12 @@ class FullyShardState:
             return
         if target.group.state not in _GATHERABLE:
             return
-        ctx = self._context()
-        if ctx.forward_ahead is not None:
-            return  # one module ahead at most
-        ctx.limiter.throttle()
-        target.group.unshard()
-        ctx.forward_ahead = target
+        self._context().issue_ahead(target, target.group.unshard)
 
     def _free_forward_ahead(self) -> None:
         """End of the iteration's forward: free a module issued ahead whose forward did not run."""
         ctx = self._context()
-        target, ctx.forward_ahead = ctx.forward_ahead, None
+        target = ctx.take_forward_ahead()
         if target is None or target.group is None:
             return
         if target.group.state is GroupState.UNSHARDING:
@@ -405,11 +400,7 @@ class FullyShardState:
 
     def _queue_final_callback(self) -> None:
         ctx = self._context()
-        if ctx.callback_queued:
-            return
-        ctx.callback_queued = True
-        root = ctx.states[0]
-        torch.autograd.Variable._execution_engine.queue_callback(root._finalize_backward)
+        ctx.queue_end_of_backward(ctx.states[0]._finalize_backward)
 
     @eager_only
     @in_phase("backward")
@@ -465,13 +456,16 @@ class FullyShardState:
         for state in ctx.states:
             if state.group is not None and state.group_phase is not Phase.POST_BACKWARD:
                 state._post_backward()
-            state.phase = Phase.IDLE
-            state.group_phase = Phase.IDLE
-            state._expects_backward = False
+            state._back_to_idle()
         if iteration.is_last_backward:
             ctx.finish_reductions()
             ctx.exec_order.end_backward()
         ctx.callback_queued = False
+
+    def _back_to_idle(self) -> None:
+        self.phase = Phase.IDLE
+        self.group_phase = Phase.IDLE
+        self._expects_backward = False
 
     # --- state dicts ------------------------------------------------------------------------
 
@@ -503,9 +497,7 @@ class FullyShardState:
                 state.group.reshard()
                 for part in state.group.parts:
                     part.partial = None
-            state.phase = Phase.IDLE
-            state.group_phase = Phase.IDLE
-            state._expects_backward = False
+            state._back_to_idle()
         ctx.forward_ahead = None
         ctx.callback_queued = False
         ctx.exec_order.end_backward()
