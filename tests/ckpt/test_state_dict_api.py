@@ -34,7 +34,7 @@ from tests.ckpt._wrappers import LR, full_weights, same, train
 from tests.fsdp._common import Block, make_net
 from tests.ranks import run_ranks
 
-KINDS = ("fsdp", "fsdp-orig", "ddp-zero")
+KINDS = ("fsdp", "fsdp-orig", "ddp-zero", "fully_shard")
 OPTION_NAMES = (
     "full_state_dict",
     "cpu_offload",
@@ -65,6 +65,13 @@ def build(kind: str, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
 
     net = make_net(seed, n_blocks=1)  # DCP's cost grows with the entries: keep them few
     net.ln_f.requires_grad_(False)
+    if kind == "fully_shard":
+        from fsdp import fully_shard
+
+        for block in net.blocks:
+            fully_shard(block)
+        fully_shard(net)
+        return net, torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=0.1)
     if kind == "ddp-zero":
         ddp = nn.parallel.DistributedDataParallel(net)
         return ddp, ZeroRedundancyOptimizer(

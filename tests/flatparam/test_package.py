@@ -7,6 +7,9 @@ import contextlib
 import io
 import re
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 import flatparam
 
@@ -57,3 +60,15 @@ def test_public_names_are_exported() -> None:
     }
     assert expected <= set(flatparam.__all__)
     assert all(hasattr(flatparam, name) for name in flatparam.__all__)
+
+
+def test_import_optional_hides_only_the_missing_package(tmp_path: Path, monkeypatch: Any) -> None:
+    from flatparam import import_optional
+
+    assert import_optional("json", "dumps") is not None
+    assert import_optional("json", "no_such_attribute") is None
+    assert import_optional("no_such_package_here.sub", "x") is None
+    (tmp_path / "broken_optional_pkg.py").write_text("import no_such_dependency_here\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ModuleNotFoundError, match="no_such_dependency_here"):
+        import_optional("broken_optional_pkg", "x")

@@ -170,5 +170,8 @@ def test_a_dead_peer_is_named_with_the_rank_module_and_phase(tmp_path: Path) -> 
     assert set(info.value.failures) == {1}  # rank 1 died, rank 0 returned
     first = result.read_text().splitlines()[0]
     assert first.startswith("rank 0: "), first
-    assert "for FSDP unit 'blocks." in first and "failed during forward" in first, first
-    assert "a peer rank died" in first, first
+    assert "for FSDP unit 'blocks." in first, first
+    # Where rank 0 was when rank 1 died: its next forward, or still finishing the first
+    # backward (rank 1 may have sent its last bytes and moved on before rank 0 read them).
+    phases = ("forward", "backward", "post-backward")
+    assert any(f"failed during {p}: a peer rank died" in first for p in phases), first

@@ -16,15 +16,15 @@ its model) handles that optimizer:
 * :class:`Fsdp1Models`: models holding our ``fsdp.FullyShardedDataParallel`` (FSDP1,
   either ``use_orig_params``) and the optimizers over them, through ckpt's SHARDED and
   FULL state dicts (``_fsdp_model_state.py``, ``_fsdp_optim_state.py``);
-* :class:`TorchModels`: everything else (plain modules, DDP, torch's own FSDP1,
-  ``fully_shard`` and tensor-parallel models) by torch's own functions, as they were
-  before :func:`ckpt.torch_compat.install` replaced them.
+* :class:`DTensorModels` (``_dtensor_state.py``): models whose parameters are
+  ``DTensor`` s (``fully_shard``'s, ours or torch's, and tensor-parallel ones) and the
+  plain optimizers over them: their own ``state_dict()`` is already the sharded form;
+* :class:`TorchModels`: everything else (plain modules, DDP, torch's own FSDP1) by
+  torch's own functions, as they were before :func:`ckpt.torch_compat.install`
+  replaced them.
 
-Another kind of model, such as fsdp's FSDP2 front end (``fully_shard``, parameters
-that are ``DTensor`` s sharded on dimension 0), is one more class implementing
-:class:`ModelFrontEnd` and :class:`OptimizerFrontEnd`, inserted in both lists before
-``TORCH_FALLBACK``. torch's own functions already handle such a model as a plain module with
-``DTensor`` parameters, so it needs a class of its own only for what they miss.
+Another kind of model is one more class implementing :class:`ModelFrontEnd` and
+:class:`OptimizerFrontEnd`, inserted in both lists before ``TORCH_FALLBACK``.
 """
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from ckpt._chunks import to_dtensor
 from ckpt._comm import Comm, device_of, on_device
+from ckpt._dtensor_state import DTensorModels
+from ckpt._fqns import group_names, only_submodules, root_prefix
 from ckpt._fsdp_optim_state import (
     fsdp_optim_state_dict,
     init_optim_state,
@@ -64,6 +66,7 @@ from fsdp.units import FlatUnit, flat_units
 from zero_optim import ZeroRedundancyOptimizer
 
 __all__ = [
+    "DTENSOR",
     "FSDP1",
     "MODEL_FRONT_ENDS",
     "OPTIMIZER_FRONT_ENDS",
@@ -185,23 +188,6 @@ def _no_rank_has_state(model: nn.Module, has_state: bool) -> bool:
         return not any(comm.all_gather(has_state))
 
 
-def root_prefix(model: nn.Module) -> str:
-    """The key prefix of wrappers around the whole model that FQNs leave out: DDP's
-    ``module.``, ``torch.compile``'s ``_orig_mod.`` (fsdp's own levels are already
-    gone from its names)."""
-    prefix = ""
-    while True:
-        if isinstance(model, nn.parallel.DistributedDataParallel):
-            level, inner = "module.", getattr(model, "module", None)
-        elif type(model).__name__ == "OptimizedModule":
-            level, inner = "_orig_mod.", getattr(model, "_orig_mod", None)
-        else:
-            return prefix
-        if not isinstance(inner, nn.Module):
-            return prefix
-        prefix, model = prefix + level, inner
-
-
 def _renamed_optim(state_dict: dict[str, Any], rename: Callable[[str], str]) -> dict[str, Any]:
     if not state_dict:
         return state_dict
@@ -210,20 +196,6 @@ def _renamed_optim(state_dict: dict[str, Any], rename: Callable[[str], str]) -> 
         "state": {rename(k): v for k, v in state_dict["state"].items()},
         "param_groups": groups,
     }
-
-
-def _group_names(
-    optim: torch.optim.Optimizer, names: list[list[tuple[str, bool]]]
-) -> list[GroupNames]:
-    """``names``: per group, (FQN, whether this rank must load state for it)."""
-    return [
-        GroupNames(
-            names=tuple(n for n, _ in row),
-            needs_state=frozenset(n for n, needed in row if needed),
-            keys=tuple(k for k in group if k != "params"),
-        )
-        for group, row in zip(optim.param_groups, names, strict=True)
-    ]
 
 
 class Fsdp1Models:
@@ -264,7 +236,7 @@ class Fsdp1Models:
             frozen = self._frozen_names(model, prefix)
             state = {k: v for k, v in state.items() if k not in frozen}
         if submodules:
-            state = _only_submodules(model, state, submodules, options, prefix)
+            state = only_submodules(model, state, submodules, options, prefix)
         return state
 
     def _frozen_names(self, model: nn.Module, prefix: str) -> set[str]:
@@ -363,7 +335,7 @@ class Fsdp1Models:
             [(n.removeprefix(prefix), t) for n, t in row]
             for row in param_names_by_group(model, optim)
         ]
-        return _group_names(optim, rows)
+        return group_names(optim, rows)
 
     def optimizer_keeper(self, model: nn.Module, optim: torch.optim.Optimizer) -> Keeper:
         return self._chunk_keeper(model)
@@ -423,7 +395,7 @@ class ZeroOptimizers:
             ]
             for names, group in zip(names_by_group(model, optim), optim.param_groups, strict=True)
         ]
-        return _group_names(optim, rows)
+        return group_names(optim, rows)
 
     def optimizer_keeper(self, model: nn.Module, optim: torch.optim.Optimizer) -> Keeper:
         assert isinstance(optim, ZeroRedundancyOptimizer)
@@ -502,41 +474,20 @@ class TorchModels:
             [(n, p.requires_grad) for n, p in zip(names, group["params"], strict=True)]
             for names, group in zip(names_by_group(model, optim), optim.param_groups, strict=True)
         ]
-        return _group_names(optim, rows)
+        return group_names(optim, rows)
 
     def optimizer_keeper(self, model: nn.Module, optim: torch.optim.Optimizer) -> Keeper:
         return _keep_whole
 
 
-def _only_submodules(
-    model: nn.Module,
-    state: dict[str, Any],
-    submodules: set[nn.Module],
-    options: StateDictOptions,
-    prefix: str,
-) -> dict[str, Any]:
-    """The deprecated ``submodules=`` filter, with torch's meaning."""
-    wanted = {id(m) for m in submodules}
-    prefixes = [
-        unwrapped_name(name + ".").removeprefix(prefix)
-        for name, m in model.named_modules()
-        if id(m) in wanted and name
-    ]
-    out: dict[str, Any] = {}
-    for key, value in state.items():
-        for p in prefixes:
-            if key.startswith(p):
-                out[key if options.keep_submodule_prefixes else key[len(p) :]] = value
-    return out
-
-
 FSDP1 = Fsdp1Models()
 ZERO = ZeroOptimizers()
+DTENSOR = DTensorModels()
 TORCH_FALLBACK = TorchModels()
 
-# In order; see [Note: state-dict front ends]. FSDP2 (fully_shard) goes before the last.
-MODEL_FRONT_ENDS: list[ModelFrontEnd] = [FSDP1, TORCH_FALLBACK]
-OPTIMIZER_FRONT_ENDS: list[OptimizerFrontEnd] = [ZERO, FSDP1, TORCH_FALLBACK]
+# In order; see [Note: state-dict front ends].
+MODEL_FRONT_ENDS: list[ModelFrontEnd] = [FSDP1, DTENSOR, TORCH_FALLBACK]
+OPTIMIZER_FRONT_ENDS: list[OptimizerFrontEnd] = [ZERO, FSDP1, DTENSOR, TORCH_FALLBACK]
 
 
 def model_front_end(model: nn.Module) -> ModelFrontEnd:

@@ -17,6 +17,7 @@ from flatparam._flat_param import (
     ShardMetadata,
     SharedParamInfo,
 )
+from flatparam._optional import import_optional
 from flatparam._rank_errors import CollectiveError, RankDisagreementError, named_backend_failures
 from flatparam._shard import (
     ShardLayout,
@@ -47,6 +48,7 @@ __all__ = [
     "__version__",
     "align_numel_for",
     "check_fingerprints_agree",
+    "import_optional",
     "named_backend_failures",
     "pad_flat",
     "register_clean_exit",

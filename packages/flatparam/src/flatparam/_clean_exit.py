@@ -11,13 +11,16 @@ and collecting the garbage cycles that may still hold it (a traceback's frames, 
 model) makes that rare or gone; measured on a shared 2-core machine over 2-rank
 runs that exit through a normal interpreter shutdown: without the hook 1 abort in
 20 runs (and 1 in 6), with only ``destroy_process_group`` 1 in about 30, with it
-and ``gc.collect()`` 0 in 40. That is evidence, not proof: the root cause is inside
-gloo/c10d teardown. Non-daemon threads (an asynchronous checkpoint) have been
-joined by then; destroying a gloo group is local and closes its sockets, which
-makes any peer still waiting on this rank fail at once instead of at its
-timeout. fsdp and zero_optim each register the hook on import, handing in
-``torch.distributed`` (flatparam itself never imports it); the hook runs once
-per process and does nothing when no group is left.
+and ``gc.collect()`` 0 in 40. A script that destroys the default group itself (as
+torchrun scripts end) still leaves the groups a model's cycles hold to teardown, where
+a gloo thread finishing its last work needs the GIL of an interpreter that is going
+away (examples/minimal/fsdp1.py: 3 aborts in 12 runs); collecting in that case too:
+0 in 30. That is evidence, not proof: the root cause is inside gloo/c10d teardown.
+Non-daemon threads (an asynchronous checkpoint) have been joined by then;
+destroying a gloo group is local and closes its sockets, which makes any peer still
+waiting on this rank fail at once instead of at its timeout. fsdp and zero_optim
+each register the hook on import, handing in ``torch.distributed`` (flatparam
+itself never imports it); the hook runs once per process.
 """
 
 from __future__ import annotations
@@ -39,10 +42,11 @@ def _destroy_default_group() -> None:
     if dist.is_available() and dist.is_initialized():
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
-        # destroy_process_group only drops torch's own references; a group still held
-        # by a garbage cycle (a traceback's frames, a model) would be freed during
-        # interpreter teardown instead. Collect those now, while it is intact.
-        gc.collect()
+    # destroy_process_group only drops torch's own references; a group still held by a
+    # garbage cycle (a traceback's frames, a model) would be freed during interpreter
+    # teardown instead. Collect those now, while it is intact, also when the script
+    # destroyed the default group itself (as torchrun scripts do at their end).
+    gc.collect()
 
 
 def register_clean_exit(distributed: ModuleType) -> None:

@@ -42,6 +42,7 @@ from typing import Any
 import torch.distributed.checkpoint.state_dict  # noqa: F401
 
 import fsdp
+from flatparam import import_optional
 from fsdp import sharded_grad_scaler, wrap
 
 __all__ = ["install", "installed", "uninstall"]
@@ -127,13 +128,7 @@ def installed() -> bool:
 
 def _ckpt_hand_over() -> ModuleType | None:
     """ckpt's hand-over module if ckpt (with the state-dict functions) is installed."""
-    try:
-        module = importlib.import_module("ckpt.fsdp_methods")
-    except ModuleNotFoundError as e:
-        if e.name not in ("ckpt", "ckpt.fsdp_methods"):
-            raise
-        return None
-    return module if hasattr(module, "install_state_dict_functions") else None
+    return import_optional("ckpt.fsdp_methods", "install_state_dict_functions")
 
 
 def install() -> None:

@@ -28,6 +28,7 @@ from types import ModuleType
 from typing import Any
 
 import zero_optim
+from flatparam import import_optional
 
 __all__ = ["install", "installed", "uninstall"]
 
@@ -57,13 +58,7 @@ def installed() -> bool:
 
 def _ckpt_hand_over() -> ModuleType | None:
     """ckpt's hand-over module if ckpt (with the state-dict functions) is installed."""
-    try:
-        module = importlib.import_module("ckpt.fsdp_methods")
-    except ModuleNotFoundError as e:
-        if e.name not in ("ckpt", "ckpt.fsdp_methods"):
-            raise
-        return None
-    return module if hasattr(module, "install_state_dict_functions") else None
+    return import_optional("ckpt.fsdp_methods", "install_state_dict_functions")
 
 
 def install() -> None:

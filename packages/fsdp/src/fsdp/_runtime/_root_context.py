@@ -153,6 +153,32 @@ class RootContext(Generic[S]):
         for storage in self.storages():
             storage.wait_for_host_copies()
 
+    # --- issue-ahead and the end of backward --------------------------------------------
+
+    def issue_ahead(self, target: S, unshard: Callable[[], None]) -> None:
+        """Start ``target``'s gather before its forward ([Note: issue-ahead]): ``unshard``
+        issues it. One unit ahead at most; the limiter bounds the gathers in flight."""
+        if self.forward_ahead is not None:
+            return  # never expected: the unit issued ahead would have run by now
+        self.limiter.throttle()
+        unshard()
+        self.forward_ahead = target
+
+    def take_forward_ahead(self) -> S | None:
+        """The unit issued ahead whose forward has not started, if any (forgotten here:
+        the root frees it at the end of its forward)."""
+        target, self.forward_ahead = self.forward_ahead, None
+        return target
+
+    def queue_end_of_backward(self, callback: Callable[[], None]) -> None:
+        """Have autograd run ``callback`` once, when this backward has finished."""
+        if self.callback_queued:
+            return
+        self.callback_queued = True
+        torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+    # --- reductions ------------------------------------------------------------------------
+
     def drop_reductions(self) -> None:
         """Wait for every reduction in flight and discard its result (an iteration that
         failed: ``fully_shard``'s ``reset_iter_state``)."""

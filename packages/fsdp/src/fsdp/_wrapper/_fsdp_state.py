@@ -342,17 +342,12 @@ class FSDPState:
         """Start the gather of the unit whose forward comes next ([Note: issue-ahead])."""
         if target is None or target.unit is None or target.unit.state is not ShardState.SHARDED:
             return
-        ctx = self._context()
-        if ctx.forward_ahead is not None:
-            return  # one unit ahead at most (never expected: it would have run by now)
-        ctx.limiter.throttle()
-        target.unit.unshard()
-        ctx.forward_ahead = target
+        self._context().issue_ahead(target, target.unit.unshard)
 
     def _free_forward_ahead(self) -> None:
         """Root, end of forward: free a unit issued ahead whose forward did not run."""
         ctx = self._context()
-        target, ctx.forward_ahead = ctx.forward_ahead, None
+        target = ctx.take_forward_ahead()
         if target is None or target.unit is None or target.unit.state is ShardState.SHARDED:
             return
         target.unit.reshard()  # waits for its gather first
@@ -375,12 +370,7 @@ class FSDPState:
 
     def _queue_final_callback(self) -> None:
         ctx = self._context()
-        if ctx.callback_queued:
-            return
-        ctx.callback_queued = True
-        root = ctx.states[0]
-        engine = torch.autograd.Variable._execution_engine
-        engine.queue_callback(root._finalize_backward)
+        ctx.queue_end_of_backward(ctx.states[0]._finalize_backward)
 
     @in_phase("backward")
     def _pre_backward(self, grad: Tensor) -> None:
