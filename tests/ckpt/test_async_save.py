@@ -110,7 +110,7 @@ def _staged_pointers() -> tuple[list[set[int]], Any]:
     seen: list[set[int]] = []
     original = _checkpoint.stage
 
-    def recording(state_dict: dict[str, Any]) -> dict[str, Any]:
+    def recording(state_dict: dict[str, Any]) -> Any:
         staged = original(state_dict)
         pointers: set[int] = set()
 
@@ -125,7 +125,7 @@ def _staged_pointers() -> tuple[list[set[int]], Any]:
             elif hasattr(value, "local"):  # FlatPieces
                 pointers.add(value.local.data_ptr())
 
-        visit(staged)
+        visit(staged.state_dict())
         seen.append(pointers)
         return staged
 

@@ -501,7 +501,7 @@ def async_save(
 
     def work() -> CheckpointInfo:
         with on_device(device):
-            return tx.write(staged, _on_commit)
+            return tx.write(staged.state_dict(), _on_commit)
 
     handle = AsyncSave(target)
     with _Pending.lock:

@@ -178,11 +178,20 @@ class DTensorModels:
                     "load the optimizer state of this model (its parameter names)"
                 )
             state[by_id[id(p)]] = {k: _as_like(v, p) for k, v in values.items()}
+        # ``optim.load_state_dict`` pairs a group's ids with its parameters by position,
+        # so they are listed in the optimizer's order, whatever order the state dict
+        # names them in (a checkpoint of another wrapper lists its own).
         groups = []
-        for given, group in zip(state_dict["param_groups"], optim.param_groups, strict=True):
-            ids = [by_id[id(params[n])] for n in given["params"]]
+        current = names_by_group(model, optim)
+        for i, (given, names) in enumerate(zip(state_dict["param_groups"], current, strict=True)):
+            fqns = [n.removeprefix(prefix) for n in names]
+            if sorted(given["params"]) != sorted(fqns):
+                raise ValueError(
+                    f"optimizer param group {i} holds {sorted(given['params'])} in the state "
+                    f"dict, {sorted(fqns)} in the optimizer"
+                )
+            ids = [by_id[id(params[n])] for n in fqns]
             groups.append({**{k: v for k, v in given.items() if k != "params"}, "params": ids})
-            del group
         optim.load_state_dict({"state": state, "param_groups": groups})
 
     def param_groups(self, model: nn.Module, optim: torch.optim.Optimizer) -> list[GroupNames]:
