@@ -34,6 +34,7 @@ import os
 import shutil
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -207,6 +208,11 @@ def _timed(fn: Callable[[], object]) -> float:
 def _timing_rank(model: dict[str, int], warmup: int, rounds: int) -> dict[str, Any]:
     import torch.distributed as dist
 
+    # torch's FSDP1 warns on every state dict (ShardedTensor and an object-collective
+    # helper are deprecated): pages of the same lines around the table.
+    warnings.filterwarnings("ignore", module=r"torch\.distributed\.(fsdp|_state_dict_utils|_shard)")
+    warnings.filterwarnings("ignore", "Please use DTensor instead", FutureWarning)
+
     root = _shared_root()
     try:
         variants = [_Variant(name, model, root) for name in VARIANTS]
@@ -261,7 +267,7 @@ def _timing_rank(model: dict[str, int], warmup: int, rounds: int) -> dict[str, A
 def run(options: Options) -> list[Table]:
     """Time every variant's save, async save and load in rotating rounds, and the disk."""
     model = QUICK_MODEL if options.quick else MODEL
-    warmup, rounds = (1, 2) if options.quick else (1, 5)
+    warmup, rounds = (1, 2) if options.quick else (1, 9)
     pooled: dict[str, list[list[float]]] = {}
     state_bytes: list[int] = []
     errors: dict[str, str] = {}

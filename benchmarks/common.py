@@ -280,8 +280,10 @@ def timed_runs(
 
 
 def fmt_ms(seconds: float) -> str:
-    """Seconds as milliseconds with three significant digits."""
-    return f"{seconds * 1e3:.3g} ms"
+    """Seconds as milliseconds with three significant digits (whole milliseconds from
+    a second up: ``1,080 ms``, where ``.3g`` would write ``1.08e+03 ms``)."""
+    ms = seconds * 1e3
+    return f"{ms:,.0f} ms" if ms >= 1000 else f"{ms:.3g} ms"
 
 
 def fmt_bytes(n: float) -> str:

@@ -42,6 +42,7 @@ from ckpt._manager import CheckpointManager
 from ckpt._manifest import MANIFEST_NAME, Checksum, FileRecord, Manifest
 from ckpt._optim_state import load_optim_state_dict, optim_state_dict
 from ckpt._pretrained import PretrainedLoad, load_pretrained
+from ckpt._staging import release_staging_buffers
 from ckpt._state import StateAdapter, StateContext, Stateful, register_adapter
 from ckpt._state_dict_functions import (
     StateDictOptions,
@@ -119,6 +120,7 @@ __all__ = [
     "load_pretrained",
     "optim_state_dict",
     "register_adapter",
+    "release_staging_buffers",
     "save",
     "set_model_state_dict",
     "set_optimizer_state_dict",
