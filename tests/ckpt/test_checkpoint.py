@@ -254,6 +254,32 @@ def test_async_save_failure_surfaces(tmp_path: Path) -> None:
     assert sorted(os.listdir(tmp_path)) == ["c", "d"]
 
 
+def test_torch_record_crc_is_off_only_while_writing(tmp_path: Path) -> None:
+    """ckpt's writer skips torch.save's per-record CRC (the manifest checksums every
+    byte) and puts the option back as it found it, whatever it was."""
+    model = make_model(0)
+    seen: list[bool] = []
+    real_save = torch.save
+
+    def spying_save(*args: Any, **kwargs: Any) -> None:
+        seen.append(torch.serialization.get_crc32_options())
+        real_save(*args, **kwargs)
+
+    torch.save = spying_save  # type: ignore[assignment]
+    try:
+        for before in (True, False):
+            torch.serialization.set_crc32_options(before)
+            ckpt.save({"model": model}, tmp_path / f"c{before}")
+            assert torch.serialization.get_crc32_options() is before
+    finally:
+        torch.save = real_save
+        torch.serialization.set_crc32_options(True)
+    assert seen and not any(seen), seen
+    fresh = make_model(1)
+    ckpt.load({"model": fresh}, tmp_path / "cTrue")  # verified, then read by torch.load
+    assert_same(params(fresh), params(model))
+
+
 def test_single_process_save_is_silent(tmp_path: Path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
