@@ -279,7 +279,7 @@ def _timing_rank(model: dict[str, int], warmup: int, rounds: int) -> dict[str, A
 def run(options: Options) -> list[Table]:
     """Time every variant's save, async save and load in rotating rounds, and the disk."""
     model = QUICK_MODEL if options.quick else MODEL
-    warmup, rounds = (1, 2) if options.quick else (1, 9)
+    warmup, rounds = (1, 2) if options.quick else (1, 19)
     pooled: dict[str, list[list[float]]] = {}
     state_bytes: list[int] = []
     errors: dict[str, str] = {}

@@ -26,7 +26,7 @@ nothing, see ``init_optim_state``) so that there is a layout for DCP to fill.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -112,16 +112,21 @@ class FsdpModuleAdapter:
                 delattr(instance, RUNS_ATTR)
 
 
+def _optimizer_over(obj: object, ctx: StateContext, kind: Callable[[nn.Module], bool]) -> bool:
+    """Whether ``obj`` is a plain torch.optim optimizer whose model is of ``kind``."""
+    if not isinstance(obj, torch.optim.Optimizer) or isinstance(obj, ZeroRedundancyOptimizer):
+        return False
+    try:
+        return kind(ctx.module_for(obj))
+    except ValueError:  # no model beside it in ``state``
+        return False
+
+
 class FsdpOptimizerAdapter:
     """torch.optim optimizers over an fsdp model: FQN-keyed, as this rank's runs."""
 
     def applies_to(self, obj: object, ctx: StateContext) -> bool:
-        if not isinstance(obj, torch.optim.Optimizer) or isinstance(obj, ZeroRedundancyOptimizer):
-            return False
-        try:
-            return has_fsdp(ctx.module_for(obj))
-        except ValueError:
-            return False
+        return _optimizer_over(obj, ctx, has_fsdp)
 
     def state_dict(self, obj: torch.optim.Optimizer, ctx: StateContext) -> dict[str, Any]:
         # [Note: capture, then copy or write], [Note: loading runs]
@@ -179,12 +184,7 @@ class DTensorOptimizerAdapter:
     """torch.optim optimizers over a model with ``DTensor`` parameters, by FQN."""
 
     def applies_to(self, obj: object, ctx: StateContext) -> bool:
-        if not isinstance(obj, torch.optim.Optimizer) or isinstance(obj, ZeroRedundancyOptimizer):
-            return False
-        try:
-            return has_dtensor_params(ctx.module_for(obj))
-        except ValueError:
-            return False
+        return _optimizer_over(obj, ctx, has_dtensor_params)
 
     def state_dict(self, obj: torch.optim.Optimizer, ctx: StateContext) -> dict[str, Any]:
         if ctx.loading:

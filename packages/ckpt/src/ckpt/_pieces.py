@@ -168,6 +168,8 @@ class FlatPieces:
         ]
 
     def __get_tensor_shard__(self, index: MetadataIndex) -> Tensor:
+        """The box a DCP write or read item names (ckpt's planners ask for it here:
+        DCP's look a shard up only on tensors)."""
         if index.offset is None:
             raise ValueError(f"{index.fqn}: a box of this rank's run needs its offsets")
         return self.box_tensor(tuple(index.offset))

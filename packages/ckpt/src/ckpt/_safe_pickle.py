@@ -51,7 +51,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 
 from ckpt._errors import CorruptCheckpointError, FileProblem, UnsafeCheckpointError
 from ckpt._pieces import FlatPieces
-from ckpt._save_planner import CaptureError, CaptureProblem
+from ckpt._save_planner import raise_capture_problems
 
 __all__ = [
     "METADATA_NAME",
@@ -253,9 +253,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         is_coordinator: bool = False,
     ) -> None:
         flat, _ = flatten_state_dict(state_dict)
-        problems = [f"{k}: {v.message}" for k, v in flat.items() if isinstance(v, CaptureProblem)]
-        if problems:
-            raise CaptureError("; ".join(problems))
+        raise_capture_problems(flat)
         pieces = {k: v for k, v in flat.items() if isinstance(v, FlatPieces)}
         aside = _set_aside(state_dict, FlatPieces)
         try:
@@ -268,9 +266,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     def lookup_tensor(self, index: MetadataIndex) -> Tensor:
         value = self.state_dict.get(index.fqn)
         if isinstance(value, FlatPieces):
-            if index.offset is None:
-                raise ValueError(f"{index.fqn}: a box of this rank's run needs its offsets")
-            return value.box_tensor(tuple(index.offset))
+            return value.__get_tensor_shard__(index)
         return super().lookup_tensor(index)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:

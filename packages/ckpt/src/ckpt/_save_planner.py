@@ -19,7 +19,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +32,13 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemT
 from ckpt._errors import CheckpointError
 from ckpt._pieces import FlatPieces
 
-__all__ = ["CaptureError", "CaptureProblem", "CheckpointSavePlanner", "own_storage"]
+__all__ = [
+    "CaptureError",
+    "CaptureProblem",
+    "CheckpointSavePlanner",
+    "own_storage",
+    "raise_capture_problems",
+]
 
 
 class CaptureError(CheckpointError, ValueError):
@@ -44,6 +50,14 @@ class CaptureProblem:
     """In place of a value this rank cannot save: the save fails on every rank, saying so."""
 
     message: str
+
+
+def raise_capture_problems(flat: Mapping[str, Any]) -> None:
+    """Raise :class:`CaptureError` naming every :class:`CaptureProblem` among the values
+    of a flattened state dict (in a planner's local step, so DCP reports it on every rank)."""
+    problems = [f"{k}: {v.message}" for k, v in flat.items() if isinstance(v, CaptureProblem)]
+    if problems:
+        raise CaptureError("; ".join(problems))
 
 
 def own_storage(tensor: Tensor) -> Tensor:
@@ -75,20 +89,12 @@ class CheckpointSavePlanner(DefaultSavePlanner):
         is_coordinator: bool = False,
     ) -> None:
         super().set_up_planner(state_dict, storage_meta, is_coordinator)
-        problems = [
-            f"{key}: {value.message}"
-            for key, value in self.state_dict.items()
-            if isinstance(value, CaptureProblem)
-        ]
-        if problems:
-            raise CaptureError("; ".join(problems))
+        raise_capture_problems(self.state_dict)
 
     def lookup_object(self, index: MetadataIndex) -> Any:
         value = self.state_dict.get(index.fqn)
         if isinstance(value, FlatPieces):
-            if index.offset is None:
-                raise ValueError(f"{index.fqn}: a box of this rank's run needs its offsets")
-            return value.box_tensor(tuple(index.offset))
+            return value.__get_tensor_shard__(index)
         return super().lookup_object(index)
 
     def transform_object(self, write_item: WriteItem, object: Any) -> Any:
