@@ -280,6 +280,24 @@ def test_torch_record_crc_is_off_only_while_writing(tmp_path: Path) -> None:
     assert_same(params(fresh), params(model))
 
 
+def test_release_staging_buffers_frees_the_host_copy(tmp_path: Path) -> None:
+    from ckpt import _staging
+
+    model = make_model(0)
+    ckpt.async_save({"model": model}, tmp_path / "a").wait()
+    assert _staging._Buffers.stager is not None  # kept for the next async save
+    ckpt.release_staging_buffers()
+    assert _staging._Buffers.stager is None
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    ckpt.async_save({"model": model}, tmp_path / "b").wait()  # allocates anew
+    fresh = make_model(1)
+    ckpt.load({"model": fresh}, tmp_path / "b")
+    assert_same(params(fresh), params(model))
+    ckpt.release_staging_buffers()
+
+
 def test_single_process_save_is_silent(tmp_path: Path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
