@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import Placement, Replicate, Shard
+from torch.distributed.tensor import Placement, Replicate
 
 __all__ = [
     "InvalidArgumentError",
@@ -54,8 +54,9 @@ class MeshInfo:
     replicate_group: Any  # dist.ProcessGroup across replicas (HSDP), None for 1-D
     replicate_size: int
 
-    def placements(self, shard: Shard) -> tuple[Placement, ...]:
-        """A sharded parameter's placements on :attr:`mesh`."""
+    def placements(self, shard: Placement) -> tuple[Placement, ...]:
+        """A sharded parameter's placements on :attr:`mesh` (``shard``: its dp cut, a
+        ``Shard`` or, under tensor parallelism, a ``_StridedShard``)."""
         return (shard,) if self.mesh.ndim == 1 else (Replicate(), shard)
 
 
