@@ -6,7 +6,7 @@ whose dim 0 is 1, applies ``fully_shard`` per block and then to the root, and
 trains it with AdamW on per-rank data, recording after each step the loss, every
 full gradient (before the step) and every full parameter (after it).
 
-With ``Case.tp`` the model is first tensor-parallelised over 2 ranks
+With ``Case.tp`` the model is first tensor-parallelised over that many ranks
 (torchtitan's 2-D recipe, :func:`parallelize_tp`) and ``fully_shard`` gets the
 data-parallel slice of a ``(dp, tp)`` mesh; every rank of a tp group then sees
 the same data (that of its dp rank).
@@ -52,9 +52,9 @@ class Case:
     meta: bool = False  # built on the meta device, to_empty + reset_parameters
     ignore_head_bias: bool = False
     shard_dim1: bool = False  # 2-D parameters whose dim 1 divides cut along dim 1
-    # Tensor parallelism over 2 ranks: a (world/2 dp, 2 tp) mesh, or with mesh_2d a
-    # (2 replicate, world/4 shard, 2 tp) one (HSDP + TP).
-    tp: bool = False
+    # Tensor parallelism over this many ranks (0: none): a (world/tp dp, tp) mesh, or
+    # with mesh_2d a (2 replicate, world/(2 tp) shard, tp) one (HSDP + TP).
+    tp: int = 0
     shard_diff_dim: bool = False  # tp: cut 2-D weights over dp along the dim tp does not
     min_world: int = 1
     # Largest difference allowed at 4 ranks, where the two sum the four gradients in
@@ -85,7 +85,7 @@ def build(impl: str, case: Case) -> nn.Module:
                 m.requires_grad_(False)
     ws = dist.get_world_size()
     if case.tp:
-        mesh = parallelize_tp(model, case.mesh_2d)
+        mesh = parallelize_tp(model, case.tp, case.mesh_2d)
     elif case.mesh_2d:
         mesh = init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("replicate", "shard"))
     else:
@@ -120,7 +120,7 @@ def build(impl: str, case: Case) -> nn.Module:
 
 
 class TPTinyNet(TinyNet):
-    """``TinyNet`` whose blocks' hidden size (10) divides by 2 tp ranks.
+    """``TinyNet`` whose blocks' hidden size (10) divides by 1 and 2 tp ranks.
 
     torch's ``ColwiseParallel`` -> ``RowwiseParallel`` pair passes the hidden
     activation as local tensors and infers its global size from them, so the
@@ -135,12 +135,12 @@ class TPTinyNet(TinyNet):
             block.fc2 = nn.Linear(10, block.fc2.out_features)
 
 
-def parallelize_tp(model: nn.Module, hsdp: bool) -> Any:
-    """Tensor-parallelise ``model`` over 2 ranks; returns ``fully_shard``'s mesh.
+def parallelize_tp(model: nn.Module, tp: int, hsdp: bool) -> Any:
+    """Tensor-parallelise ``model`` over ``tp`` ranks; returns ``fully_shard``'s mesh.
 
     Each block's ``fc1`` column-wise (weight and bias ``Shard(0)``), its ``fc2``
     row-wise (weight ``Shard(1)``, bias ``Replicate()``), the head column-wise
-    with a replicated output (13 rows: 7 and 6 per tp rank). The mesh is
+    with a replicated output (13 rows: 7 and 6 per tp rank at tp 2). The mesh is
     ``(dp, tp)``, or with ``hsdp`` ``(replicate, shard, tp)``.
     """
     from torch.distributed.device_mesh import init_device_mesh
@@ -154,10 +154,10 @@ def parallelize_tp(model: nn.Module, hsdp: bool) -> Any:
     ws = dist.get_world_size()
     if hsdp:
         names: tuple[str, ...] = ("replicate", "shard", "tp")
-        mesh = init_device_mesh("cpu", (2, ws // 4, 2), mesh_dim_names=names)
+        mesh = init_device_mesh("cpu", (2, ws // (2 * tp), tp), mesh_dim_names=names)
         dp = mesh["replicate", "shard"]
     else:
-        mesh = init_device_mesh("cpu", (ws // 2, 2), mesh_dim_names=("dp", "tp"))
+        mesh = init_device_mesh("cpu", (ws // tp, tp), mesh_dim_names=("dp", "tp"))
         dp = mesh["dp"]
     for block in model.blocks:  # type: ignore[union-attr]
         plan = {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
@@ -169,7 +169,7 @@ def parallelize_tp(model: nn.Module, hsdp: bool) -> Any:
 
 def dp_rank(case: Case) -> int:
     """This rank's data-parallel index: its rank, or with ``case.tp`` its tp group's."""
-    return dist.get_rank() // 2 if case.tp else dist.get_rank()
+    return dist.get_rank() // case.tp if case.tp else dist.get_rank()
 
 
 def _other_dim_than_tp(param: nn.Parameter) -> Any:

@@ -143,7 +143,6 @@ def fully_shard(
     _move_to_device(managed, params, ignored, device)
     group = None
     if params:
-        _check_post_forward_with_tp(params, post_forward, info)
         sites = _sites(module, params)
         composer = MeshComposer(info)
         sharded = [
@@ -362,22 +361,6 @@ def _placement(
             "cut this parameter along dim 0 (return None) or along a dim that divides"
         )
     return Shard(dim)
-
-
-def _check_post_forward_with_tp(
-    params: list[nn.Parameter], post_forward: MeshInfo | None, info: MeshInfo
-) -> None:
-    """Refuse an int ``reshard_after_forward`` (a smaller mesh) with tensor-parallel
-    parameters, as torch's does: its groups are cut from the dp mesh's own ranks, which
-    differ on every tp rank, so the ranks would not agree on them."""
-    if post_forward is None or post_forward is info:
-        return
-    if any(isinstance(p, DTensor) for p in params):
-        raise NotImplementedError(
-            "reshard_after_forward as an int (resharding to a smaller mesh after forward) is "
-            "not supported for DTensor (tensor-parallel) parameters, as in torch's fully_shard; "
-            "pass reshard_after_forward=True or False"
-        )
 
 
 def _fsdp_class(cls: type) -> type:

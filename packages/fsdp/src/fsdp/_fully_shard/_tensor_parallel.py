@@ -45,7 +45,16 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from fsdp._fully_shard._mesh import MeshInfo
 
-__all__ = ["MeshComposer", "TensorParallelSpec", "check_dtensor_param"]
+__all__ = ["MeshComposer", "MeshCompositionError", "TensorParallelSpec", "check_dtensor_param"]
+
+
+class MeshCompositionError(ValueError, RuntimeError):
+    """``fully_shard``'s mesh cannot be joined to a parameter's tensor-parallel mesh.
+
+    A ``ValueError`` (a wrong argument), and the ``RuntimeError`` torch's
+    ``fully_shard`` raises for the same meshes (from ``DeviceMesh``), so code
+    written against torch catches it too.
+    """
 
 
 @dataclass(frozen=True)
@@ -177,34 +186,54 @@ class MeshComposer:
             return known[1]
         dp_mesh = self.dp.mesh
         if tp_mesh.device_type != dp_mesh.device_type:
-            raise ValueError(
+            raise MeshCompositionError(
                 f"parameter {name!r} is a DTensor on a {tp_mesh.device_type!r} mesh and "
                 f"fully_shard's mesh is {dp_mesh.device_type!r}: both meshes must be slices of "
-                "one mesh on one device type"
+                f"one mesh on one device type: {_RECIPE}"
             )
         if dp_mesh.mesh_dim_names is None:
-            raise ValueError(
+            raise MeshCompositionError(
                 f"parameter {name!r} is a DTensor on the mesh {tp_mesh}, and fully_shard's mesh "
-                f"{dp_mesh} has no mesh_dim_names, so the two cannot be joined: build one mesh, "
-                "e.g. init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp')), "
-                "parallelize over mesh['tp'] and pass mesh=mesh['dp'] to fully_shard"
+                f"{dp_mesh} has no mesh_dim_names, so the two cannot be joined: build one mesh "
+                f"with names and slice both from it: {_RECIPE}"
             )
         joined = _concatenate(name, dp_mesh, tp_mesh)
         self._joined[id(tp_mesh)] = (tp_mesh, joined)
         return joined
 
 
+_RECIPE = (
+    "mesh = init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp')); "
+    "parallelize_module(model, mesh['tp'], plan); fully_shard(module, mesh=mesh['dp'])"
+)
+
+
 def _concatenate(name: str, dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
-    """The mesh ``(dp dims..., tp dims...)`` over the ranks of both, from their root mesh."""
+    """The mesh ``(dp dims..., tp dims...)`` over the ranks of both, from their root mesh.
+
+    Two mistakes stop it, each named with its fix: a ``fully_shard`` mesh that
+    shares ranks with the tp mesh (the tp mesh itself, or the whole ``(dp, tp)``
+    mesh passed instead of its dp slice), found from the meshes' public rank
+    tensors, and meshes sliced from two different roots, which only
+    ``DeviceMesh._concatenate`` itself can tell.
+    """
+    shared = set(dp_mesh.mesh.flatten().tolist()) & set(tp_mesh.mesh.flatten().tolist())
+    if len(shared) > 1:
+        raise MeshCompositionError(
+            f"parameter {name!r} is a DTensor on the model-parallel mesh {tp_mesh}, which "
+            f"shares ranks {sorted(shared)} with fully_shard's mesh {dp_mesh}: fully_shard "
+            "shards over data-parallel ranks, a mesh dimension the parameter is not already "
+            "placed on. Pass the data-parallel slice of the mesh the model was parallelised "
+            f"from: {_RECIPE}"
+        )
     concatenate: Any = DeviceMesh._concatenate  # private in torch 2.13: what torch's FSDP2 uses
     try:
         joined: DeviceMesh = concatenate([dp_mesh, tp_mesh])
     except RuntimeError as exc:
-        raise ValueError(
-            f"parameter {name!r} is a DTensor on {tp_mesh}, which fully_shard cannot join to its "
-            f"data-parallel mesh {dp_mesh} ({exc}). Both must be slices of one root mesh and "
-            "share no dimension: build it once, e.g. "
-            "mesh = init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp')), "
-            "parallelize over mesh['tp'] and pass mesh=mesh['dp'] to fully_shard"
+        raise MeshCompositionError(
+            f"parameter {name!r} is a DTensor on {tp_mesh}, which was sliced from a different "
+            f"root mesh than fully_shard's mesh {dp_mesh} (DeviceMesh: {exc}), so no mesh "
+            "holds both and the sharded parameter has nowhere to live. Slice both from one "
+            f"mesh built once with init_device_mesh: {_RECIPE}"
         ) from exc
     return joined
