@@ -14,6 +14,7 @@ the same data (that of its dp rank).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any
 
@@ -73,11 +74,9 @@ def build(impl: str, case: Case) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.manual_seed(0)
-    if case.meta:
-        with torch.device("meta"):
-            model = TinyNet()
-    else:
-        model = TPTinyNet() if case.tp else TinyNet()
+    net = TPTinyNet if case.tp else TinyNet
+    with torch.device("meta") if case.meta else contextlib.nullcontext():
+        model = net()
     if case.frozen:
         model.emb.requires_grad_(False)
         for m in model.modules():

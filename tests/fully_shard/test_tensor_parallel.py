@@ -40,6 +40,7 @@ CASES_4: dict[str, Case] = {
     "tp_shard_diff_dim": Case(tp=2, shard_diff_dim=True),
     "tp_accumulate": Case(tp=2, accumulate=2),
     "tp_cpu_offload": Case(tp=2, offload=True),
+    "tp_meta_init": Case(tp=2, meta=True),  # parallelised and sharded on meta, then init
     "hsdp_tp": Case(tp=2, mesh_2d=True),
 }
 # dp=1 x tp=2 and dp=2 x tp=1 at 2 ranks.
