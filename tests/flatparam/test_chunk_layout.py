@@ -100,6 +100,18 @@ def test_pack_full_casts() -> None:
     assert torch.equal(out, torch.cat([layout.shard([g.float()], r) for r in range(2)]))
 
 
+def test_pack_full_casts_mixed_dtypes() -> None:
+    """A bf16 gradient beside an fp32 zero slot (a group part of whose parameters
+    had no gradient in this backward) packs into the fp32 buffer."""
+    layout = ChunkLayout.build([(3, 2), (5,)], 2)
+    g = torch.randn(3, 2, dtype=torch.bfloat16)
+    z = torch.zeros(5)
+    out = torch.empty(layout.padded_numel, dtype=torch.float32)
+    layout.pack_full([g, z], out)
+    expected = torch.cat([layout.shard([g.float(), z], r) for r in range(2)])
+    assert torch.equal(out, expected)
+
+
 def test_other_dims_even() -> None:
     shapes = [(3, 4), (2, 6, 2)]
     layout = ChunkLayout.build(shapes, 2, dims=[1, -2])

@@ -248,7 +248,10 @@ def _errors_rank() -> dict[str, str]:
 
     catch("scalar", lambda: fsdp.fully_shard(Scalar()))
     catch("container", lambda: fsdp.fully_shard(nn.ModuleList([nn.Linear(2, 2)])))
-    catch("list", lambda: fsdp.fully_shard([nn.Linear(2, 2), nn.Linear(2, 2)]))  # type: ignore[arg-type]
+    catch("empty_list", lambda: fsdp.fully_shard([]))
+    pair = [nn.Linear(2, 2), nn.Linear(2, 2)]
+    fsdp.fully_shard(pair)  # several modules as one group: fine, but not as the root
+    catch("list_as_root", lambda: pair[0](torch.randn(1, 2)))
     twice = nn.Linear(2, 2)
     fsdp.fully_shard(twice)
     catch("twice", lambda: fsdp.fully_shard(twice))
@@ -297,7 +300,11 @@ def test_errors_name_the_problem_and_the_fix() -> None:
     assert out["container"].startswith(
         "ValueError: fully_shard does not support containers that do not implement forward"
     )
-    assert out["list"].startswith("NotImplementedError") and "common parent" in out["list"]
+    assert out["empty_list"].startswith("TypeError") and "non-empty list" in out["empty_list"]
+    assert out["list_as_root"].startswith(
+        "RuntimeError: FSDP requires a single root module but got"
+    )
+    assert "fully_shard(model)" in out["list_as_root"]
     assert out["twice"].startswith(
         "ValueError+AssertionError: Each distinct composable distributed API can only be applied"
     )

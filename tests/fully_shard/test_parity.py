@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.fully_shard._common import Case, run_cases
+from tests.fully_shard._common import Case, assert_parity, run_cases
 from tests.ranks import run_ranks
 
 BF16 = torch.bfloat16
@@ -55,11 +55,4 @@ def test_fully_shard_matches_torch(world_size: int) -> None:
     if world_size < 4:
         names = [n for n in names if not CASES[n].mesh_2d]
     results = run_ranks(_rank, world_size, names, timeout=280)
-    for rank, per_case in enumerate(results):
-        for name in names:
-            equal, worst = per_case[name]
-            if world_size <= 2:
-                assert equal, f"rank {rank}, {name}: differs from torch's by up to {worst:.3g}"
-            else:
-                bound = CASES[name].tolerance_4
-                assert worst <= bound, f"rank {rank}, {name}: differs from torch's by {worst:.3g}"
+    assert_parity(results, names, world_size, lambda name: CASES[name].tolerance_4)

@@ -303,6 +303,10 @@ class ChunkLayout:
                 tensors.append(t)
         if not tensors:
             return
+        if len({t.dtype for t in tensors}) > 1:
+            # torch._chunk_cat casts only one common input dtype: bring mixed ones
+            # (a low-precision gradient beside a zero slot) to ``out``'s first.
+            tensors = [t.to(out.dtype) for t in tensors]
         rows = out.view(self.world_size, self.shard_numel)
         torch._chunk_cat(tensors, 0, self.world_size, out=rows)
 

@@ -15,12 +15,12 @@ and ``gc.collect()`` 0 in 40. A script that destroys the default group itself (a
 torchrun scripts end) still leaves the groups a model's cycles hold to teardown, where
 a gloo thread finishing its last work needs the GIL of an interpreter that is going
 away (examples/minimal/fsdp1.py: 3 aborts in 12 runs); collecting in that case too:
-0 in 30. That is evidence, not proof: the root cause is inside gloo/c10d teardown. Non-daemon threads (an asynchronous checkpoint) have been
-joined by then; destroying a gloo group is local and closes its sockets, which
-makes any peer still waiting on this rank fail at once instead of at its
-timeout. fsdp and zero_optim each register the hook on import, handing in
-``torch.distributed`` (flatparam itself never imports it); the hook runs once
-per process.
+0 in 30. That is evidence, not proof: the root cause is inside gloo/c10d teardown.
+Non-daemon threads (an asynchronous checkpoint) have been joined by then;
+destroying a gloo group is local and closes its sockets, which makes any peer still
+waiting on this rank fail at once instead of at its timeout. fsdp and zero_optim
+each register the hook on import, handing in ``torch.distributed`` (flatparam
+itself never imports it); the hook runs once per process.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Callable, Iterable
-from typing import Any, NoReturn, cast
+from typing import Any, NoReturn, cast, overload
 
 import torch
 from torch import nn
@@ -49,8 +49,36 @@ __all__ = [
 _FSDP_CLASSES: dict[type, type] = {}  # original class -> FSDP<original class>
 
 
+@overload
 def fully_shard(
     module: nn.Module,
+    *,
+    mesh: Any = None,
+    reshard_after_forward: bool | int | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
+    mp_policy: MixedPrecisionPolicy = ...,
+    offload_policy: OffloadPolicy = ...,
+    ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims: Any = None,
+) -> FSDPModule: ...
+
+
+@overload
+def fully_shard(
+    module: list[nn.Module],
+    *,
+    mesh: Any = None,
+    reshard_after_forward: bool | int | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
+    mp_policy: MixedPrecisionPolicy = ...,
+    offload_policy: OffloadPolicy = ...,
+    ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims: Any = None,
+) -> list[FSDPModule]: ...
+
+
+def fully_shard(
+    module: nn.Module | list[nn.Module],
     *,
     mesh: Any = None,
     reshard_after_forward: bool | int | None = None,
@@ -59,7 +87,7 @@ def fully_shard(
     offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008
     ignored_params: set[nn.Parameter] | None = None,
     dp_mesh_dims: Any = None,
-) -> FSDPModule:
+) -> FSDPModule | list[FSDPModule]:
     """Shard ``module``'s parameters across the data-parallel ranks of ``mesh``.
 
     The parameters of ``module`` not already managed by a ``fully_shard`` call
@@ -72,8 +100,10 @@ def fully_shard(
 
     Args:
         module: the module to shard; its class becomes a subclass of
-            :class:`FSDPModule` and its own class. A list of modules is not
-            supported (see the package README).
+            :class:`FSDPModule` and its own class. A list of modules shards
+            them as one group: one all-gather before the first of them runs,
+            freed after the last (torchtitan's ``fully_shard([model.norm,
+            model.output])``); see [Note: several modules, one group].
         mesh: the data-parallel ``DeviceMesh``: 1-D shards over all its ranks,
             2-D ``(replicate, shard)`` (``mesh_dim_names`` required) shards inside
             each row and replicates across rows (HSDP). Default: a 1-D mesh over
@@ -96,27 +126,94 @@ def fully_shard(
             that are already ``DTensor`` s on a larger SPMD mesh).
 
     Returns:
-        ``module`` itself, now an :class:`FSDPModule`.
+        ``module`` itself, now an :class:`FSDPModule` (the list, for a list).
     """
-    if isinstance(module, (list, tuple)):
+    modules = _root_modules(module)
+    for m in modules:
+        _check_module(m)
+    if dp_mesh_dims is not None:
         raise NotImplementedError(
-            "fully_shard([module_a, module_b, ...]) (several modules as one group) is not "
-            "supported by this implementation; apply fully_shard to a module that contains them "
-            "(e.g. a common parent) instead"
+            "fully_shard(dp_mesh_dims=...) (parameters already DTensors on an SPMD mesh) is not "
+            "supported by this implementation; pass the data-parallel mesh and plain parameters"
         )
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"fully_shard needs an nn.Module, got {type(module).__name__}")
+    mp = to_mp_policy(mp_policy)
+    offload = to_offload_policy(offload_policy)
+    if mesh is None:
+        mesh = default_mesh()
+    info = mesh_info(mesh)
+    device = mesh_device(mesh)
+    auto = reshard_after_forward is None
+    post_forward = post_forward_info(True if auto else reshard_after_forward, info)  # type: ignore[arg-type]
+    ignored = set(ignored_params or ())
+    managed = _managed_modules(modules, ignored)
+    params = _adopt_tied(modules, _managed_params(managed, ignored), ignored)
+    _move_to_device(managed, params, ignored, device)
+    group = None
+    if params:
+        sites = _sites(modules, params)
+        composer = MeshComposer(info)
+        sharded = [
+            _sharded_param(site, p, shard_placement_fn, info, composer)
+            for site, p in zip(sites, params, strict=True)
+        ]
+        group = ParamGroup(
+            modules,
+            sharded,
+            params,
+            mesh=info,
+            post_forward=post_forward,
+            device=device,
+            mp=mp,
+            offload=offload,
+        )
+    FullyShardState(
+        modules, group, mesh=info, device=device, mp=mp, auto_reshard_after_forward=auto
+    )
+    release_freed_host_memory()  # the originals' memory: see [Note: construction RSS]
+    for m in managed:
+        m.__dict__["_is_fsdp_managed_module"] = True  # as torch's, for Dynamo's checks
+        m.__dict__["_fsdp_use_orig_params"] = True
+    for m in modules:
+        m.__class__ = _fsdp_class(type(m))
+    if isinstance(module, nn.Module):
+        return cast(FSDPModule, module)
+    return cast(list[FSDPModule], module)
+
+
+def _root_modules(module: Any) -> tuple[nn.Module, ...]:
+    """The modules one call shards: ``module``, or those of a list that no other module
+    of the list contains (each once, in the list's order)."""
+    if isinstance(module, nn.Module):
+        return (module,)
+    if not isinstance(module, (list, tuple)):
+        raise TypeError(
+            f"fully_shard needs an nn.Module or a list of them, got {type(module).__name__}"
+        )
+    given = list(module)
+    bad = [type(m).__name__ for m in given if not isinstance(m, nn.Module)]
+    if bad or not given:
+        raise TypeError(
+            "fully_shard needs an nn.Module or a non-empty list of nn.Modules, got a list "
+            f"holding {bad or 'nothing'}"
+        )
+    inside: set[int] = set()
+    for m in given:
+        inside.update(id(sub) for sub in m.modules() if sub is not m)
+    roots: list[nn.Module] = []
+    for m in given:
+        if id(m) not in inside and all(m is not r for r in roots):
+            roots.append(m)
+    return tuple(roots)
+
+
+def _check_module(module: nn.Module) -> None:
+    """A module ``fully_shard`` can take."""
     if (
         isinstance(module, (nn.ModuleList, nn.ModuleDict))
         and type(module).forward is nn.Module.forward
     ):
         raise ValueError(
             f"fully_shard does not support containers that do not implement forward: {module}"
-        )
-    if dp_mesh_dims is not None:
-        raise NotImplementedError(
-            "fully_shard(dp_mesh_dims=...) (parameters already DTensors on an SPMD mesh) is not "
-            "supported by this implementation; pass the data-parallel mesh and plain parameters"
         )
     if state_of(module) is not None:
         raise InvalidArgumentError(
@@ -129,48 +226,11 @@ def fully_shard(
             "fully_shard cannot be applied to a FullyShardedDataParallel instance: use one of "
             "the two APIs for a model (FSDP1's wrapper or FSDP2's fully_shard)"
         )
-    mp = to_mp_policy(mp_policy)
-    offload = to_offload_policy(offload_policy)
-    if mesh is None:
-        mesh = default_mesh()
-    info = mesh_info(mesh)
-    device = mesh_device(mesh)
-    auto = reshard_after_forward is None
-    post_forward = post_forward_info(True if auto else reshard_after_forward, info)  # type: ignore[arg-type]
-    ignored = set(ignored_params or ())
-    managed = _managed_modules(module, ignored)
-    params = _adopt_tied(module, _managed_params(managed, ignored), ignored)
-    _move_to_device(managed, params, ignored, device)
-    group = None
-    if params:
-        sites = _sites(module, params)
-        composer = MeshComposer(info)
-        sharded = [
-            _sharded_param(site, p, shard_placement_fn, info, composer)
-            for site, p in zip(sites, params, strict=True)
-        ]
-        group = ParamGroup(
-            (module,),
-            sharded,
-            params,
-            mesh=info,
-            post_forward=post_forward,
-            device=device,
-            mp=mp,
-            offload=offload,
-        )
-    FullyShardState(module, group, mesh=info, device=device, mp=mp, auto_reshard_after_forward=auto)
-    release_freed_host_memory()  # the originals' memory: see [Note: construction RSS]
-    for m in managed:
-        m.__dict__["_is_fsdp_managed_module"] = True  # as torch's, for Dynamo's checks
-        m.__dict__["_fsdp_use_orig_params"] = True
-    module.__class__ = _fsdp_class(type(module))
-    return cast(FSDPModule, module)
 
 
-def _managed_modules(root: nn.Module, ignored: set[nn.Parameter]) -> list[nn.Module]:
-    """``root`` and its submodules not inside a nested ``fully_shard`` module (post-order),
-    without those that hold only ignored parameters and no buffers."""
+def _managed_modules(roots: tuple[nn.Module, ...], ignored: set[nn.Parameter]) -> list[nn.Module]:
+    """``roots`` and their submodules not inside a nested ``fully_shard`` module
+    (post-order), without those that hold only ignored parameters and no buffers."""
     out: list[nn.Module] = []
     seen: set[int] = set()
 
@@ -182,16 +242,30 @@ def _managed_modules(root: nn.Module, ignored: set[nn.Parameter]) -> list[nn.Mod
             visit(child)
         out.append(m)
 
-    visit(root)
+    for root in roots:
+        if id(root) not in seen:
+            visit(root)
     if not ignored:
         return out
     keep = []
     for m in out:
         params = [p for p in m.parameters(recurse=True) if p not in ignored]
         buffers = list(m.buffers(recurse=True))
-        if m is root or params or buffers:
+        if any(m is r for r in roots) or params or buffers:
             keep.append(m)
     return keep
+
+
+def _submodules(roots: tuple[nn.Module, ...]) -> list[nn.Module]:
+    """Every module under ``roots`` (themselves included), each once."""
+    out: list[nn.Module] = []
+    seen: set[int] = set()
+    for root in roots:
+        for m in root.modules():
+            if id(m) not in seen:
+                seen.add(id(m))
+                out.append(m)
+    return out
 
 
 def _managed_params(modules: Iterable[nn.Module], ignored: set[nn.Parameter]) -> list[nn.Parameter]:
@@ -232,17 +306,18 @@ def _managed_params(modules: Iterable[nn.Module], ignored: set[nn.Parameter]) ->
 
 
 def _adopt_tied(
-    root: nn.Module, params: list[nn.Parameter], ignored: set[nn.Parameter]
+    roots: tuple[nn.Module, ...], params: list[nn.Parameter], ignored: set[nn.Parameter]
 ) -> list[nn.Parameter]:
     """Resolve parameters tied to ones another call sharded; see [Note: tied parameters
     across fully_shard calls] in ``_param_group.py``.
 
-    A parameter a nested call inside ``root`` owns comes to this call; one owned
-    by a call outside ``root`` (a sibling) is released by it and left to a common
+    A parameter a nested call inside ``roots`` owns comes to this call; one owned
+    by a call outside ``roots`` (a sibling) is released by it and left to a common
     parent: it is marked orphan with the modules that use it, and the first
     later call whose subtree holds all of those modules takes it.
     """
-    inside = {id(m) for m in root.modules()}
+    subs = _submodules(roots)
+    inside = {id(m) for m in subs}
     out: list[nn.Parameter] = []
     orphaned: set[int] = set()
     for p in params:
@@ -251,7 +326,7 @@ def _adopt_tied(
         if owner is None:
             out.append(p)
             continue
-        users = [m for m in root.modules() if any(q is p for q in m._parameters.values())]
+        users = [m for m in subs if any(q is p for q in m._parameters.values())]
         users += owner.users_of(p)
         owner.release(p)
         if all(id(m) in inside for m in users):
@@ -260,7 +335,7 @@ def _adopt_tied(
             p.__dict__[ORPHAN] = [weakref.ref(m) for m in users]
             orphaned.add(id(p))
     taken = {id(p) for p in out}
-    for sub in root.modules():
+    for sub in subs:
         for q in sub._parameters.values():
             if q is None or id(q) in taken or id(q) in orphaned or q in ignored:
                 continue
@@ -291,11 +366,12 @@ def _move_to_device(
                     m._buffers[name] = b.to(device)
 
 
-def _sites(root: nn.Module, params: list[nn.Parameter]) -> list[ParamSite]:
+def _sites(roots: tuple[nn.Module, ...], params: list[nn.Parameter]) -> list[ParamSite]:
     """Where each parameter is registered, tied names included (shared modules too)."""
     wanted = {id(p) for p in params}
     sites: dict[int, ParamSite] = {}
-    for _, sub in root.named_modules(remove_duplicate=False):
+    subs = [sub for root in roots for _, sub in root.named_modules(remove_duplicate=False)]
+    for sub in subs:
         for name, p in sub._parameters.items():
             if p is None or id(p) not in wanted:
                 continue
@@ -434,7 +510,12 @@ class FSDPModule:
         return [m for m in modules if isinstance(m, FSDPModule)]
 
     def _groups(self, recurse: bool) -> list[ParamGroup]:
-        return [g for m in self._fsdp_modules(recurse) if (g := m._fully_shard_state().group)]
+        groups: list[ParamGroup] = []  # a group of several modules once
+        for m in self._fsdp_modules(recurse):
+            g = m._fully_shard_state().group
+            if g is not None and all(g is not seen for seen in groups):
+                groups.append(g)
+        return groups
 
     def reshard(self) -> None:
         """Free the unsharded parameters (if gathered) and register the sharded ones."""

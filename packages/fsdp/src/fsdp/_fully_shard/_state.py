@@ -40,6 +40,24 @@ For a module ``m`` with a group (``reshard_after_forward=True`` unless noted):
    state back to IDLE; on the last backward (``set_is_last_backward``) every
    reduction is completed, so each sharded parameter's ``.grad`` holds its
    averaged gradient shard as a ``DTensor``.
+
+[Note: several modules, one group]
+``fully_shard([a, b])`` gives ``a`` and ``b`` one state and one group (torchtitan
+groups the final norm with the output projection: two small modules, one
+all-gather). Each module gets the hooks; a pass of the group starts at the
+pre-forward of whichever module runs first (which does step 1 once: the root's
+work, the post-backward routing of its inputs, issue-ahead) and ends at the
+post-forward of the last of them still to run (step 2). The other modules'
+pre-forwards only cast their inputs (and gather, had something resharded the
+group in between) and their post-forwards only cast their outputs. A forward
+of the root in which some module of a group never ran (a chunked loss: the
+model's forward stops before the output projection, which the loss then calls
+on each chunk) completes that group's pass at the root's post-forward, on the
+root's output. A module of the group called on its own afterwards starts a new
+pass that no post-forward ends; each such call routes its inputs through the
+post-backward again once the previous call's backward ran, so every chunk's
+gradient is reduced, and the root's end of backward puts everything back to
+idle.
 """
 
 from __future__ import annotations
@@ -108,9 +126,11 @@ class IterationContext:
 
 
 class FullyShardState:
-    """Hooks and phase of one ``fully_shard`` call; see [Note: one fully_shard step]."""
+    """Hooks and phase of one ``fully_shard`` call; see [Note: one fully_shard step] and
+    [Note: several modules, one group]."""
 
-    module: nn.Module  # the module fully_shard was applied to
+    modules: tuple[nn.Module, ...]  # the modules fully_shard was applied to (usually one)
+    module: nn.Module  # the first of them
     group: ParamGroup | None  # None when it manages no parameters
     mesh: MeshInfo
     device: torch.device
@@ -124,10 +144,11 @@ class FullyShardState:
     forward_prefetch: list[FullyShardState] | None  # set_modules_to_forward_prefetch
     backward_prefetch: list[FullyShardState] | None  # set_modules_to_backward_prefetch
     _expects_backward: bool  # the last forward hooked outputs for backward
+    _to_run: list[nn.Module]  # modules of the group whose forward is still to come
 
     def __init__(
         self,
-        module: nn.Module,
+        modules: tuple[nn.Module, ...],
         group: ParamGroup | None,
         *,
         mesh: MeshInfo,
@@ -135,7 +156,8 @@ class FullyShardState:
         mp: MixedPrecisionPolicy,
         auto_reshard_after_forward: bool,
     ) -> None:
-        self.module = module
+        self.modules = modules
+        self.module = modules[0]
         self.group = group
         self.mesh = mesh
         self.device = device
@@ -149,11 +171,27 @@ class FullyShardState:
         self.forward_prefetch = None
         self.backward_prefetch = None
         self._expects_backward = False
-        module.__dict__[STATE_ATTR] = self
-        self._handles = [
-            module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True),
-            module.register_forward_hook(self._post_forward, prepend=False),
-        ]
+        self._to_run = []
+        for module in modules:
+            module.__dict__[STATE_ATTR] = self
+        if len(modules) == 1:
+            self._handles = [
+                modules[0].register_forward_pre_hook(
+                    self._pre_forward, prepend=True, with_kwargs=True
+                ),
+                modules[0].register_forward_hook(self._post_forward, prepend=False),
+            ]
+        else:
+            self._handles = [
+                h
+                for module in modules
+                for h in (
+                    module.register_forward_pre_hook(
+                        self._group_pre_forward, prepend=True, with_kwargs=True
+                    ),
+                    module.register_forward_hook(self._group_post_forward, prepend=False),
+                )
+            ]
         if group is not None:
             for m in {p.site.module for p in group.params}:
                 m.register_state_dict_pre_hook(self._reshard_for_state_dict)
@@ -161,7 +199,8 @@ class FullyShardState:
                 m.register_load_state_dict_post_hook(self._resync_after_load)
 
     def __repr__(self) -> str:
-        return f"FullyShardState({type(self.module).__name__} at {id(self):#x})"
+        names = ", ".join(type(m).__name__ for m in self.modules)
+        return f"FullyShardState({names} at {id(self):#x})"
 
     # --- lazy initialisation ----------------------------------------------------------------
 
@@ -174,6 +213,13 @@ class FullyShardState:
         """
         if self.is_root is not None:
             return
+        if len(self.modules) > 1:
+            raise RuntimeError(
+                f"FSDP requires a single root module but got {list(self.modules)}: the "
+                "modules of one fully_shard([...]) call ran forward outside any module that "
+                "contains them. Apply fully_shard to a module that contains them all (the "
+                "root model: fully_shard(model) after the inner calls) and run it."
+            )
         states: list[FullyShardState] = []
         for name, module in self.module.named_modules():
             state = state_of(module)
@@ -250,11 +296,15 @@ class FullyShardState:
                 group.unshard()
                 group.wait_for_unshard()
             return self._cast_inputs(args, kwargs)
+        # A group of several modules enters its forward once per pass (the first of
+        # its modules to run); the others only gather (if resharded between) and cast.
+        first = self.phase is not Phase.FORWARD
         self.phase = Phase.FORWARD
-        args, kwargs = self._root_pre_forward(args, kwargs)
+        if first:
+            args, kwargs = self._root_pre_forward(args, kwargs)
         args, kwargs = self._cast_inputs(args, kwargs)
         ctx = self._context()
-        ahead = ctx.exec_order.forward_step(self)
+        ahead = ctx.exec_order.forward_step(self) if first else None
         if ctx.forward_ahead is self:
             ctx.forward_ahead = None  # issued ahead by the module before: its turn now
         if group is not None:
@@ -262,13 +312,37 @@ class FullyShardState:
                 ctx.limiter.throttle()
                 group.unshard()
             group.wait_for_unshard()
-            args, kwargs = self._register_post_backward(args, kwargs)
+            if self.group_phase is not Phase.FORWARD:
+                # Once per pass of the group (again after a backward of its own, as a
+                # module of the group called alone per loss chunk does).
+                self.group_phase = Phase.FORWARD
+                args, kwargs = self._register_post_backward(args, kwargs)
+        if not first:
+            return args, kwargs
         if self.forward_prefetch is not None:
             for target in self.forward_prefetch:
                 target._prefetch()
         else:
             self._issue_ahead(ahead)
         return args, kwargs
+
+    def _group_pre_forward(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Pre-forward of one module of a group of several ([Note: several modules, one
+        group])."""
+        if not self._to_run:
+            self._to_run = list(self.modules)
+        return self._pre_forward(module, args, kwargs)
+
+    def _group_post_forward(self, module: nn.Module, inputs: Any, output: Any) -> Any:
+        """Post-forward of one module of a group of several: the group's post-forward
+        runs when the last of its modules still to run has run."""
+        if any(m is module for m in self._to_run):
+            self._to_run = [m for m in self._to_run if m is not module]
+            if not self._to_run:
+                return self._post_forward(module, inputs, output)
+        return self._cast_output(output)
 
     def _root_pre_forward(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -309,22 +383,35 @@ class FullyShardState:
     def _post_forward(self, module: nn.Module, inputs: Any, output: Any) -> Any:
         if self.phase is Phase.PRE_BACKWARD:
             return self._cast_output(output)  # recomputation inside backward: keep gathered
+        output = self._complete_forward(output)
+        iteration = self._iteration()
+        if iteration.forward_root is self:
+            for state in reversed(self._context().states):
+                if state is not self and state._to_run:
+                    output = state._cast_output(state._complete_forward(output))
+            # Only the root's forwards set the order (not a module called on its own).
+            self._context().exec_order.end_forward(
+                record=torch.is_grad_enabled() and bool(self.is_root)
+            )
+            self._free_forward_ahead()
+            iteration.forward_root = None
+        return self._cast_output(output)
+
+    def _complete_forward(self, output: Any) -> Any:
+        """The group's forward is over: reshard, hook ``output`` for the backward."""
         ctx = self._context()
         group = self.group
         if group is not None and group.post_forward is not None and group.is_unsharded:
             group.reshard(after_forward=True)
             ctx.limiter.record_free()
-        grad_enabled = torch.is_grad_enabled()
-        if grad_enabled:
+        if torch.is_grad_enabled():
             ctx.exec_order.record_post_forward(self)
         output = self._register_pre_backward(output)
         self.phase = Phase.IDLE
-        iteration = self._iteration()
-        if iteration.forward_root is self:
-            ctx.exec_order.end_forward(record=grad_enabled)
-            self._free_forward_ahead()
-            iteration.forward_root = None
-        return self._cast_output(output)
+        if self.group_phase is Phase.FORWARD:
+            self.group_phase = Phase.IDLE
+        self._to_run = []
+        return output
 
     def _issue_ahead(self, target: FullyShardState | None) -> None:
         """Start the gather of the module whose forward comes next ([Note: issue-ahead])."""
@@ -466,6 +553,7 @@ class FullyShardState:
         self.phase = Phase.IDLE
         self.group_phase = Phase.IDLE
         self._expects_backward = False
+        self._to_run = []
 
     # --- state dicts ------------------------------------------------------------------------
 
