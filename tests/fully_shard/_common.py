@@ -58,6 +58,7 @@ class Case:
     # with mesh_2d a (2 replicate, world/(2 tp) shard, tp) one (HSDP + TP).
     tp: int = 0
     shard_diff_dim: bool = False  # tp: cut 2-D weights over dp along the dim tp does not
+    group_head: bool = False  # fully_shard([ln_f, head]) as one group (torchtitan's)
     min_world: int = 1
     # Largest difference allowed at 4 ranks, where the two sum the four gradients in
     # different orders: an ulp of fp32 over three steps; bf16 reductions round each
@@ -105,6 +106,8 @@ def build(impl: str, case: Case) -> nn.Module:
         kwargs["shard_placement_fn"] = _other_dim_than_tp
     for block in model.blocks:
         api.fully_shard(block, **kwargs)
+    if case.group_head:
+        api.fully_shard([model.ln_f, model.head], **kwargs)
     ignored = {model.head.bias} if case.ignore_head_bias else None
     api.fully_shard(model, ignored_params=ignored, **kwargs)
     if case.meta:

@@ -42,6 +42,8 @@ CASES_4: dict[str, Case] = {
     "tp_cpu_offload": Case(tp=2, offload=True),
     "tp_meta_init": Case(tp=2, meta=True),  # parallelised and sharded on meta, then init
     "hsdp_tp": Case(tp=2, mesh_2d=True),
+    # torchtitan's fully_shard([norm, output]): a plain and a tp module in one group.
+    "tp_norm_head_grouped": Case(tp=2, group_head=True),
 }
 # dp=1 x tp=2 and dp=2 x tp=1 at 2 ranks.
 CASES_2: dict[str, Case] = {
@@ -154,7 +156,7 @@ def _layout_rank(world_size: int, names: list[str]) -> dict[str, dict[str, bool 
 
 
 LAYOUT_CASES = {
-    4: ["tp", "tp_bf16", "tp_shard_diff_dim", "hsdp_tp"],
+    4: ["tp", "tp_bf16", "tp_shard_diff_dim", "hsdp_tp", "tp_norm_head_grouped"],
     2: ["tp", "tp1"],
 }
 
@@ -167,6 +169,7 @@ FC1_WEIGHT = {
     (4, "tp_bf16"): f"({_STRIDED}, Shard(dim=0))",
     (4, "tp_shard_diff_dim"): "(Shard(dim=1), Shard(dim=0))",
     (4, "hsdp_tp"): f"(Replicate(), {_STRIDED}, Shard(dim=0))",
+    (4, "tp_norm_head_grouped"): f"({_STRIDED}, Shard(dim=0))",
     (2, "tp"): f"({_STRIDED}, Shard(dim=0))",
     (2, "tp1"): "(Shard(dim=0), Shard(dim=0))",
 }
