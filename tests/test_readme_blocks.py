@@ -145,3 +145,18 @@ def test_readme_python_block_runs(block: Block, tmp_path: Path) -> None:
         ranks is not None,
         timeout=120,
     )
+
+
+_CONFLICT = re.compile(r"^(<{7} |={7}$|>{7} )", re.M)
+
+
+def test_no_merge_conflict_markers() -> None:
+    """A merge's leftovers in a README (both sides kept, markers and all) read as text
+    and break no block, so nothing else would notice them."""
+    found = [
+        f"{path.relative_to(ROOT)}:{text.count(chr(10), 0, m.start()) + 1}: {m.group(0)!r}"
+        for path in readmes()
+        for text in [path.read_text(encoding="utf-8")]
+        for m in _CONFLICT.finditer(text)
+    ]
+    assert not found, "merge conflict markers left in:\n" + "\n".join(found)

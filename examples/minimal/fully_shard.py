@@ -29,8 +29,7 @@ class Block(nn.Module):
         self.ff = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        update: torch.Tensor = self.ff(self.norm(x))
-        return x + update
+        return x + self.ff(self.norm(x))  # type: ignore[no-any-return]
 
 
 def batch(step: int, rank: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,10 +49,11 @@ def main() -> None:
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     torch.manual_seed(0)  # the same initial weights on every rank
-    net = nn.Sequential(nn.Linear(8, 64), *(Block(64) for _ in range(4)), nn.Linear(64, 8))
-    for block in net[1:-1]:
+    blocks = [Block(64) for _ in range(4)]
+    model = nn.Sequential(nn.Linear(8, 64), *blocks, nn.Linear(64, 8))
+    for block in blocks:
         fully_shard(block, mesh=mesh)  # bottom-up: each block, then the root
-    model = fully_shard(net, mesh=mesh)
+    fully_shard(model, mesh=mesh)  # in place: model is now also an FSDPModule
     optim = torch.optim.AdamW(model.parameters(), lr=3e-3)
 
     state = {"model": model, "optim": optim, "step": 0}

@@ -71,9 +71,13 @@ def make_net(seed: int = 0, n_blocks: int = 3) -> Net:
     return Net(n_blocks)
 
 
-def batches(steps: int, batch: int = 3, seed: int = 100) -> list[tuple[Tensor, Tensor]]:
-    """Per-rank data (different on each rank, so averaging matters)."""
-    g = torch.Generator().manual_seed(seed + 1000 * dist.get_rank())
+def batches(
+    steps: int, batch: int = 3, seed: int = 100, rank: int | None = None
+) -> list[tuple[Tensor, Tensor]]:
+    """Per-rank data (different on each rank, so averaging matters); ``rank`` (default
+    this rank) picks whose, e.g. the data-parallel rank under tensor parallelism."""
+    rank = dist.get_rank() if rank is None else rank
+    g = torch.Generator().manual_seed(seed + 1000 * rank)
     return [
         (
             torch.randint(0, VOCAB, (batch, SEQ), generator=g),

@@ -5,10 +5,16 @@ padding at 2 and 4 ranks and some ranks hold empty chunks) plus a parameter
 whose dim 0 is 1, applies ``fully_shard`` per block and then to the root, and
 trains it with AdamW on per-rank data, recording after each step the loss, every
 full gradient (before the step) and every full parameter (after it).
+
+With ``Case.tp`` the model is first tensor-parallelised over that many ranks
+(torchtitan's 2-D recipe, :func:`parallelize_tp`) and ``fully_shard`` gets the
+data-parallel slice of a ``(dp, tp)`` mesh; every rank of a tp group then sees
+the same data (that of its dp rank).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -48,6 +54,11 @@ class Case:
     meta: bool = False  # built on the meta device, to_empty + reset_parameters
     ignore_head_bias: bool = False
     shard_dim1: bool = False  # 2-D parameters whose dim 1 divides cut along dim 1
+    # Tensor parallelism over this many ranks (0: none): a (world/tp dp, tp) mesh, or
+    # with mesh_2d a (2 replicate, world/(2 tp) shard, tp) one (HSDP + TP).
+    tp: int = 0
+    shard_diff_dim: bool = False  # tp: cut 2-D weights over dp along the dim tp does not
+    group_head: bool = False  # fully_shard([ln_f, head]) as one group (torchtitan's)
     min_world: int = 1
     # Largest difference allowed at 4 ranks, where the two sum the four gradients in
     # different orders: an ulp of fp32 over three steps; bf16 reductions round each
@@ -65,22 +76,21 @@ def build(impl: str, case: Case) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.manual_seed(0)
-    if case.meta:
-        with torch.device("meta"):
-            model = TinyNet()
-    else:
-        model = TinyNet()
+    net = TPTinyNet if case.tp else TinyNet
+    with torch.device("meta") if case.meta else contextlib.nullcontext():
+        model = net()
     if case.frozen:
         model.emb.requires_grad_(False)
         for m in model.modules():
             if isinstance(m, nn.LayerNorm):
                 m.requires_grad_(False)
     ws = dist.get_world_size()
-    mesh = (
-        init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("replicate", "shard"))
-        if case.mesh_2d
-        else init_device_mesh("cpu", (ws,))
-    )
+    if case.tp:
+        mesh = parallelize_tp(model, case.tp, case.mesh_2d)
+    elif case.mesh_2d:
+        mesh = init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (ws,))
     kwargs: dict[str, Any] = {"mesh": mesh}
     if case.reshard_after_forward is not None:
         kwargs["reshard_after_forward"] = case.reshard_after_forward
@@ -92,8 +102,12 @@ def build(impl: str, case: Case) -> nn.Module:
         kwargs["offload_policy"] = api.CPUOffloadPolicy(pin_memory=False)
     if case.shard_dim1:
         kwargs["shard_placement_fn"] = _dim1_placement
+    if case.shard_diff_dim:
+        kwargs["shard_placement_fn"] = _other_dim_than_tp
     for block in model.blocks:
         api.fully_shard(block, **kwargs)
+    if case.group_head:
+        api.fully_shard([model.ln_f, model.head], **kwargs)
     ignored = {model.head.bias} if case.ignore_head_bias else None
     api.fully_shard(model, ignored_params=ignored, **kwargs)
     if case.meta:
@@ -106,6 +120,70 @@ def build(impl: str, case: Case) -> nn.Module:
             model.gate.fill_(0.5)
             model.scale.fill_(0.75)
     return model
+
+
+class TPTinyNet(TinyNet):
+    """``TinyNet`` whose blocks' hidden size (10) divides by 1 and 2 tp ranks.
+
+    torch's ``ColwiseParallel`` -> ``RowwiseParallel`` pair passes the hidden
+    activation as local tensors and infers its global size from them, so the
+    hidden size must divide by the tp size; the dp cuts of the tp pieces
+    (5 rows over 2 ranks, and the head's 7 and 6 rows) stay uneven.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        for block in self.blocks:
+            block.fc1 = nn.Linear(block.fc1.in_features, 10)
+            block.fc2 = nn.Linear(10, block.fc2.out_features)
+
+
+def parallelize_tp(model: nn.Module, tp: int, hsdp: bool) -> Any:
+    """Tensor-parallelise ``model`` over ``tp`` ranks; returns ``fully_shard``'s mesh.
+
+    Each block's ``fc1`` column-wise (weight and bias ``Shard(0)``), its ``fc2``
+    row-wise (weight ``Shard(1)``, bias ``Replicate()``), the head column-wise
+    with a replicated output (13 rows: 7 and 6 per tp rank at tp 2). The mesh is
+    ``(dp, tp)``, or with ``hsdp`` ``(replicate, shard, tp)``.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    ws = dist.get_world_size()
+    if hsdp:
+        names: tuple[str, ...] = ("replicate", "shard", "tp")
+        mesh = init_device_mesh("cpu", (2, ws // (2 * tp), tp), mesh_dim_names=names)
+        dp = mesh["replicate", "shard"]
+    else:
+        mesh = init_device_mesh("cpu", (ws // tp, tp), mesh_dim_names=("dp", "tp"))
+        dp = mesh["dp"]
+    for block in model.blocks:  # type: ignore[union-attr]
+        plan = {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
+        parallelize_module(block, mesh["tp"], plan)  # type: ignore[arg-type]
+    head = {"head": ColwiseParallel(output_layouts=Replicate())}
+    parallelize_module(model, mesh["tp"], head)  # type: ignore[arg-type]
+    return dp
+
+
+def dp_rank(case: Case) -> int:
+    """This rank's data-parallel index: its rank, or with ``case.tp`` its tp group's."""
+    return dist.get_rank() // case.tp if case.tp else dist.get_rank()
+
+
+def _other_dim_than_tp(param: nn.Parameter) -> Any:
+    """A 2-D tp weight cut over dp along the dim tp does not cut (torch's own test's fn)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if isinstance(param, DTensor) and param.dim() == 2:
+        for placement in param.placements:
+            if isinstance(placement, Shard):
+                return Shard(1 - placement.dim)
+    return None
 
 
 def _dim1_placement(param: nn.Parameter) -> Any:
@@ -127,7 +205,7 @@ def full(t: Any) -> Tensor:
 def train(model: nn.Module, case: Case) -> dict[str, list[Any]]:
     """Losses, full gradients and full parameters of every step."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    data = batches(STEPS * case.accumulate)
+    data = batches(STEPS * case.accumulate, rank=dp_rank(case))
     record: dict[str, list[Any]] = {"loss": [], "grads": [], "params": []}
     it = iter(data)
     for _ in range(STEPS):

@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from fsdp._fully_shard._mesh import (
     InvalidArgumentError,
+    MeshInfo,
     default_mesh,
     mesh_device,
     mesh_info,
@@ -34,6 +35,7 @@ from fsdp._fully_shard._policies import (
     to_offload_policy,
 )
 from fsdp._fully_shard._state import ORPHAN, FullyShardState, state_of
+from fsdp._fully_shard._tensor_parallel import MeshComposer, check_dtensor_param
 from fsdp._runtime._host_memory import release_freed_host_memory
 
 __all__ = [
@@ -149,8 +151,9 @@ def fully_shard(
     group = None
     if params:
         sites = _sites(modules, params)
+        composer = MeshComposer(info)
         sharded = [
-            ShardedParam(site, p.shape, _placement(shard_placement_fn, p, info.shard_size))
+            _sharded_param(site, p, shard_placement_fn, info, composer)
             for site, p in zip(sites, params, strict=True)
         ]
         group = ParamGroup(
@@ -286,11 +289,7 @@ def _managed_params(modules: Iterable[nn.Module], ignored: set[nn.Parameter]) ->
                     "parameter's own data; use a plain tensor parameter"
                 )
             if isinstance(p, DTensor):
-                raise NotImplementedError(
-                    f"parameter {name!r} is already a DTensor (tensor or expert parallelism): "
-                    "composing fully_shard with other DTensor parallelism is not supported by "
-                    "this implementation; apply fully_shard to plain parameters"
-                )
+                check_dtensor_param(name, p)  # tensor parallelism: see _tensor_parallel.py
             if not p.is_contiguous():
                 raise NotImplementedError(
                     f"FSDP does not support non-contiguous parameters yet: {name} "
@@ -386,8 +385,35 @@ def _sites(roots: tuple[nn.Module, ...], params: list[nn.Parameter]) -> list[Par
     return [sites[id(p)] for p in params]
 
 
-def _placement(fn: Callable[[nn.Parameter], Any] | None, param: nn.Parameter, shards: int) -> Shard:
-    """The ``Shard(dim)`` to cut ``param`` along, checked against its shape."""
+def _sharded_param(
+    site: ParamSite,
+    param: nn.Parameter,
+    fn: Callable[[nn.Parameter], Any] | None,
+    info: MeshInfo,
+    composer: MeshComposer,
+) -> ShardedParam:
+    """The sharded form of ``param``: a plain parameter is cut over dp as it is, a
+    ``DTensor`` one by its tp-local tensor ([Note: fully_shard over tensor parallelism])."""
+    if not isinstance(param, DTensor):
+        shard = _placement(fn, param, param.shape, info.shard_size)
+        return ShardedParam(
+            site, param.shape, shard, mesh=info.mesh, placements=info.placements(shard)
+        )
+    tp = composer.spec(param)
+    local_shape = param._local_tensor.shape
+    shard = _placement(fn, param, local_shape, info.shard_size)
+    mesh, placements = composer.sharded_form(site.name, tp, shard)
+    return ShardedParam(site, local_shape, shard, mesh=mesh, placements=placements, tp=tp)
+
+
+def _placement(
+    fn: Callable[[nn.Parameter], Any] | None,
+    param: nn.Parameter,
+    shape: torch.Size,
+    shards: int,
+) -> Shard:
+    """The ``Shard(dim)`` to cut ``param`` along, checked against ``shape``, what is cut
+    (the parameter's, or a tensor-parallel parameter's local one)."""
     placement = None if fn is None else fn(param)
     if placement is None:
         return Shard(0)
@@ -396,16 +422,17 @@ def _placement(fn: Callable[[nn.Parameter], Any] | None, param: nn.Parameter, sh
             f"shard_placement_fn returned {placement!r}: only a Shard(dim) (or None for dim 0) "
             "is supported by this implementation (not a per-parameter mesh)"
         )
-    dim = placement.dim + param.dim() if placement.dim < 0 else placement.dim
-    if not 0 <= dim < param.dim():
+    ndim = len(shape)
+    dim = placement.dim + ndim if placement.dim < 0 else placement.dim
+    if not 0 <= dim < ndim:
         raise InvalidArgumentError(
-            f"Shard dim {placement.dim} is invalid for {param.dim()}D tensor: "
+            f"Shard dim {placement.dim} is invalid for {ndim}D tensor: "
             f"{tuple(param.shape)}; return a dim the parameter has from shard_placement_fn "
             "(or None for dim 0)"
         )
-    if dim > 0 and param.shape[dim] % shards != 0:
+    if dim > 0 and shape[dim] % shards != 0:
         raise NotImplementedError(
-            f"FSDP does not support uneven sharding on dim {dim}: {tuple(param.shape)} "
+            f"FSDP does not support uneven sharding on dim {dim}: {tuple(shape)} "
             f"(world size: {shards}); a chunk along a dimension other than 0 must be even, so "
             "cut this parameter along dim 0 (return None) or along a dim that divides"
         )

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import Placement, Replicate, Shard
+from torch.distributed.tensor import Placement, Replicate
 
 __all__ = [
     "InvalidArgumentError",
@@ -54,8 +54,9 @@ class MeshInfo:
     replicate_group: Any  # dist.ProcessGroup across replicas (HSDP), None for 1-D
     replicate_size: int
 
-    def placements(self, shard: Shard) -> tuple[Placement, ...]:
-        """A sharded parameter's placements on :attr:`mesh`."""
+    def placements(self, shard: Placement) -> tuple[Placement, ...]:
+        """A sharded parameter's placements on :attr:`mesh` (``shard``: its dp cut, a
+        ``Shard`` or, under tensor parallelism, a ``_StridedShard``)."""
         return (shard,) if self.mesh.ndim == 1 else (Replicate(), shard)
 
 
@@ -132,6 +133,17 @@ def post_forward_info(reshard_after_forward: bool | int, info: MeshInfo) -> Mesh
         return None
     if n == size:
         return info
+    if info.mesh.size() != dist.get_world_size():
+        # DeviceMesh(ranks) makes a group per row of ``ranks`` in one collective sequence
+        # over all processes; a slice's rows differ on each rank of the other dimensions
+        # (every tp rank has its own dp slice), so they would wait for each other forever.
+        raise NotImplementedError(
+            f"reshard_after_forward={n} (an int) is not supported when fully_shard's mesh is "
+            f"a slice of a larger mesh ({info.mesh}: {info.mesh.size()} of "
+            f"{dist.get_world_size()} ranks, e.g. the dp slice of a (dp, tp) mesh): the "
+            "groups of the smaller mesh differ across the slices and cannot be made together "
+            "(torch's fully_shard hangs there); pass reshard_after_forward=True or False"
+        )
     # The shard group's ranks in rows of n, as torch's: a (size/n*replicas, n) mesh.
     ranks = info.mesh.mesh.reshape(-1, n)
     smaller = DeviceMesh(info.mesh.device_type, ranks, mesh_dim_names=("outer", "inner"))

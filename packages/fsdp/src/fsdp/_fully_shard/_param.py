@@ -4,23 +4,29 @@
 A parameter ``p`` of a group keeps two ``nn.Parameter`` objects for its whole life:
 
 - ``sharded``: an ``nn.Parameter`` wrapping a ``DTensor`` with placement
-  ``Shard(dim)`` (``(Replicate(), Shard(dim))`` under HSDP) whose local tensor
-  is a view into its part's *region*, this rank's packed shard of the group
-  ([Note: chunk layout] in flatparam). It is what ``parameters()``,
-  ``state_dict()`` and the optimizer see between uses; an in-place optimizer
-  step writes the region, which the next all-gather sends as it is. Its
-  ``.grad`` is a ``DTensor`` of the same placement, a view into the reduced
-  gradient shard.
-- ``unsharded``: a plain ``nn.Parameter`` of the full shape, in the compute
-  dtype, the autograd leaf forward and backward use while the group is
-  gathered. Its data is the prefix of ``buf``, a 1-D buffer with the padding
-  rows of every chunk ([Note: chunk layout]), filled by the copy-out after each
-  all-gather; ``buf``'s storage is freed between uses and reallocated, so the
-  same leaf (and the views autograd saved of it) serve every forward and
-  backward ([Note: storage resizing and autograd] in ``_wrapper/_flat_param_unit.py``).
-  It gets its data by ``.data`` assignment, so its version counter is its own
-  and the copy-out (a write into ``buf``) does not look like an in-place
-  change of a tensor saved for backward.
+  ``Shard(dim)`` (``(Replicate(), Shard(dim))`` under HSDP; with tensor
+  parallelism the placements of [Note: fully_shard over tensor parallelism] in
+  ``_tensor_parallel.py``) whose local tensor is a view into its part's
+  *region*, this rank's packed shard of the group ([Note: chunk layout] in
+  flatparam). It is what ``parameters()``, ``state_dict()`` and the optimizer
+  see between uses; an in-place optimizer step writes the region, which the
+  next all-gather sends as it is. Its ``.grad`` is a ``DTensor`` of the same
+  placements, a view into the reduced gradient shard.
+- ``unsharded``: an ``nn.Parameter`` of the full shape (for a tensor-parallel
+  parameter a ``DTensor`` on its tp mesh whose local tensor is its full tp
+  piece), in the compute dtype, the autograd leaf forward and backward use
+  while the group is gathered. Its data is the prefix of ``buf``, a 1-D buffer
+  with the padding rows of every chunk ([Note: chunk layout]), filled by the
+  copy-out after each all-gather; ``buf``'s storage is freed between uses and
+  reallocated, so the same leaf (and the views autograd saved of it) serve
+  every forward and backward ([Note: storage resizing and autograd] in
+  ``_wrapper/_flat_param_unit.py``). A plain leaf gets its data by ``.data``
+  assignment and a ``DTensor`` leaf is a wrapper of its own, so either way its
+  version counter is its own and the copy-out (a write into ``buf``) does not
+  look like an in-place change of a tensor saved for backward.
+
+What ``fully_shard`` cuts (``shape``, the layout's entry) is the parameter
+itself, or for a tensor-parallel one its tp-local tensor.
 
 The module's attribute (and every other module's that shares the parameter)
 holds ``sharded`` or ``unsharded`` by the group's state, swapped in the
@@ -34,7 +40,10 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Shard
+
+from fsdp._fully_shard._tensor_parallel import TensorParallelSpec
 
 __all__ = ["ParamSite", "ShardedParam", "local_tensor", "set_local_tensor"]
 
@@ -66,56 +75,79 @@ class ShardedParam:
 
     site: ParamSite
     fqn: str  # name under the root module, for messages (set at lazy initialisation)
-    shape: torch.Size  # full shape
-    placement: Shard  # the dim it is cut along
+    shape: torch.Size  # what is cut: the full shape, or a tp parameter's local shape
+    placement: Shard  # the dim it is cut along (over dp)
+    mesh: DeviceMesh  # of the sharded DTensor: the dp mesh, or dp joined to tp
+    placements: tuple[Placement, ...]  # of the sharded DTensor on ``mesh``
+    tp: TensorParallelSpec | None  # a tensor-parallel parameter's unsharded form
     sharded: nn.Parameter  # DTensor; local tensor a view into the part's region
     unsharded: nn.Parameter | None  # full-shaped leaf; created at the first gather
     buf: Tensor | None  # 1-D padded storage of ``unsharded`` (compute dtype); freed between uses
-    accumulated_grad: Tensor | None  # reduce-dtype gradient kept across unsynced backwards
+    accumulated_grad: Tensor | None  # reduce dtype, tp-local; kept across unsynced backwards
     orig: weakref.ref[Tensor] | None  # the original parameter (for ties across calls)
 
-    def __init__(self, site: ParamSite, shape: torch.Size, placement: Shard) -> None:
+    def __init__(
+        self,
+        site: ParamSite,
+        shape: torch.Size,
+        placement: Shard,
+        *,
+        mesh: DeviceMesh,
+        placements: tuple[Placement, ...],
+        tp: TensorParallelSpec | None = None,
+    ) -> None:
         self.site = site
         self.fqn = site.name
         self.shape = shape
         self.placement = placement
+        self.mesh = mesh
+        self.placements = placements
+        self.tp = tp
         self.unsharded = None
         self.buf = None
         self.accumulated_grad = None
         self.orig = None
 
-    def make_sharded(
-        self,
-        local: Tensor,
-        mesh: object,
-        placements: tuple[Placement, ...],
-        requires_grad: bool,
-    ) -> None:
-        """Wrap ``local`` (a view into the region) as the sharded ``DTensor`` parameter."""
-        dtensor = self.to_dtensor(local, mesh, placements)
-        self.sharded = nn.Parameter(dtensor, requires_grad=requires_grad)
+    @property
+    def global_shape(self) -> torch.Size:
+        """The parameter's shape as the user sees it (a tp parameter's global shape)."""
+        return self.shape if self.tp is None else self.tp.shape
 
-    def to_dtensor(self, local: Tensor, mesh: object, placements: tuple[Placement, ...]) -> DTensor:
-        """A ``DTensor`` of this parameter's shape whose local tensor shares ``local``'s memory."""
+    def make_sharded(self, local: Tensor, requires_grad: bool) -> None:
+        """Wrap ``local`` (a view into the region) as the sharded ``DTensor`` parameter."""
+        self.sharded = nn.Parameter(self.to_dtensor(local), requires_grad=requires_grad)
+
+    def to_dtensor(self, local: Tensor) -> DTensor:
+        """A sharded ``DTensor`` of this parameter whose local tensor shares ``local``'s memory
+        (the parameter, or its gradient)."""
+        shape = self.global_shape
         with torch.no_grad():
             return DTensor.from_local(
                 local,
-                mesh,  # type: ignore[arg-type]
-                placements,
+                self.mesh,
+                self.placements,
                 run_check=False,
-                shape=self.shape,
-                stride=_contiguous_stride(self.shape),
+                shape=shape,
+                stride=_contiguous_stride(shape),
             )
 
     def unsharded_leaf(self, buf: Tensor, full: Tensor) -> nn.Parameter:
-        """The unsharded leaf with data ``full`` (a view of ``buf``); created once."""
-        leaf = self.unsharded
-        if leaf is None or leaf.dtype != full.dtype or leaf.device != full.device:
-            leaf = nn.Parameter(torch.empty(0, dtype=full.dtype, device=full.device))
-            self.unsharded = leaf
-        leaf.data = full  # its own version counter: see the note
+        """The unsharded leaf with data ``full`` (a view of ``buf``); made when ``buf`` is."""
         self.buf = buf
-        return leaf
+        if self.tp is not None:
+            leaf = nn.Parameter(self.tp.to_dtensor(full))  # its own wrapper: see the note
+            self.unsharded = leaf
+            return leaf
+        plain = self.unsharded
+        if plain is None or plain.dtype != full.dtype or plain.device != full.device:
+            plain = nn.Parameter(torch.empty(0, dtype=full.dtype, device=full.device))
+            self.unsharded = plain
+        plain.data = full  # its own version counter: see the note
+        return plain
+
+    def local_grad(self, grad: Tensor) -> Tensor:
+        """The unsharded gradient as the tensor the dp reduction takes (its tp-local part)."""
+        return grad if self.tp is None else self.tp.local_grad(grad)
 
 
 def local_tensor(p: Tensor) -> Tensor:

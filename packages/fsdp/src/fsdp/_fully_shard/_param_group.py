@@ -117,12 +117,15 @@ class GroupPart:
         self._make_storage(region)
 
     def build(self, tensors: Sequence[Tensor], requires_grad: Sequence[bool]) -> None:
-        """Shard ``tensors`` (the original parameters' data) into a new region and wrap
-        each chunk as the sharded ``DTensor`` parameter."""
+        """Shard ``tensors`` (the original parameters' data: for a tensor-parallel one its
+        local tensor) into a new region and wrap each chunk as the sharded ``DTensor``
+        parameter."""
         g = self.group
         self.orig_dtype = tensors[0].dtype
         self.layout = ChunkLayout.build(
-            [t.shape for t in tensors], g.mesh.shard_size, [p.placement.dim for p in self.params]
+            [p.shape for p in self.params],
+            g.mesh.shard_size,
+            [p.placement.dim for p in self.params],
         )
         region = self._new_region(tensors[0])
         if region.device.type != "meta":
@@ -130,7 +133,7 @@ class GroupPart:
         self._make_storage(region)
         views = self.layout.local_views(region, g.mesh.shard_rank)
         for p, view, rg in zip(self.params, views, requires_grad, strict=True):
-            p.make_sharded(view, g.mesh.mesh, g.mesh.placements(p.placement), rg)
+            p.make_sharded(view, rg)
             p.site.set(p.sharded)
 
     def _new_region(self, like: Tensor) -> Tensor:
@@ -334,7 +337,7 @@ class GroupPart:
             if p.accumulated_grad is not None:
                 grad, p.accumulated_grad = p.accumulated_grad, None
             elif p.unsharded is not None and p.unsharded.grad is not None:
-                grad = p.unsharded.grad
+                grad = p.local_grad(p.unsharded.grad)
                 p.unsharded.grad = None
             grads.append(grad)
             mask.append(grad is not None or (unused and p.sharded.requires_grad))
@@ -385,7 +388,7 @@ class GroupPart:
                 continue
             grad = p.sharded.grad
             if grad is None:
-                p.sharded.grad = p.to_dtensor(view, g.mesh.mesh, g.mesh.placements(p.placement))
+                p.sharded.grad = p.to_dtensor(view)
             else:
                 with torch.no_grad():
                     local_tensor(grad).add_(view)
@@ -403,10 +406,10 @@ class GroupPart:
             if leaf is None or leaf.grad is None:
                 continue
             if p.accumulated_grad is not None:
-                p.accumulated_grad += leaf.grad
+                p.accumulated_grad += p.local_grad(leaf.grad)
                 leaf.grad = None
             elif leaf.grad.dtype != self.reduce_dtype:
-                p.accumulated_grad = leaf.grad.to(self.reduce_dtype)
+                p.accumulated_grad = p.local_grad(leaf.grad).to(self.reduce_dtype)
                 leaf.grad = None
 
     def add_new_grads(self) -> None:
@@ -414,7 +417,7 @@ class GroupPart:
         for p in self.params:
             leaf = p.unsharded
             if p.accumulated_grad is not None and leaf is not None and leaf.grad is not None:
-                p.accumulated_grad += leaf.grad
+                p.accumulated_grad += p.local_grad(leaf.grad)
                 leaf.grad = None
 
 
@@ -492,7 +495,8 @@ class ParamGroup:
             by_key.setdefault((t.dtype, t.requires_grad), []).append(i)
         for (_, trainable), idx in by_key.items():
             part = GroupPart(self, [params[i] for i in idx], trainable)
-            part.build([tensors[i] for i in idx], [tensors[i].requires_grad for i in idx])
+            data = [local_tensor(tensors[i]) for i in idx]  # a tp parameter: its local piece
+            part.build(data, [tensors[i].requires_grad for i in idx])
             self.parts.append(part)
         for p, t in zip(params, tensors, strict=True):
             p.orig = weakref.ref(t)
