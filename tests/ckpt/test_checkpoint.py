@@ -254,32 +254,6 @@ def test_async_save_failure_surfaces(tmp_path: Path) -> None:
     assert sorted(os.listdir(tmp_path)) == ["c", "d"]
 
 
-def test_torch_record_crc_is_off_only_while_writing(tmp_path: Path) -> None:
-    """ckpt's writer skips torch.save's per-record CRC (the manifest checksums every
-    byte) and puts the option back as it found it, whatever it was."""
-    model = make_model(0)
-    seen: list[bool] = []
-    real_save = torch.save
-
-    def spying_save(*args: Any, **kwargs: Any) -> None:
-        seen.append(torch.serialization.get_crc32_options())
-        real_save(*args, **kwargs)
-
-    torch.save = spying_save  # type: ignore[assignment]
-    try:
-        for before in (True, False):
-            torch.serialization.set_crc32_options(before)
-            ckpt.save({"model": model}, tmp_path / f"c{before}")
-            assert torch.serialization.get_crc32_options() is before
-    finally:
-        torch.save = real_save
-        torch.serialization.set_crc32_options(True)
-    assert seen and not any(seen), seen
-    fresh = make_model(1)
-    ckpt.load({"model": fresh}, tmp_path / "cTrue")  # verified, then read by torch.load
-    assert_same(params(fresh), params(model))
-
-
 def test_release_staging_buffers_frees_the_host_copy(tmp_path: Path) -> None:
     from ckpt import _staging
 
@@ -338,3 +312,34 @@ def test_registered_adapters_plug_in(tmp_path: Path) -> None:
     counter = _Counter(0)
     ckpt.load({"counter": counter}, tmp_path / "c")
     assert counter.count == 41 and counter.loaded_from_world_size == 1
+
+
+def test_torch_record_crc_is_off_only_in_the_thread_that_writes(tmp_path: Path) -> None:
+    """ckpt's writer skips torch.save's per-record CRC (the manifest checksums every
+    byte) in the thread that writes and puts it back as found; torch keeps the option
+    per thread, so the caller's own setting (and an async_save's caller's) stays."""
+    model = make_model(0)
+    seen: list[bool] = []
+    real_save = torch.save
+
+    def spying_save(*args: Any, **kwargs: Any) -> None:
+        seen.append(torch.serialization.get_crc32_options())
+        real_save(*args, **kwargs)
+
+    torch.save = spying_save  # type: ignore[assignment]
+    try:
+        for before in (True, False):
+            torch.serialization.set_crc32_options(before)
+            ckpt.save({"model": model}, tmp_path / f"s{before}")
+            assert torch.serialization.get_crc32_options() is before
+            pending = ckpt.async_save({"model": model}, tmp_path / f"a{before}")
+            assert torch.serialization.get_crc32_options() is before
+            pending.wait()
+    finally:
+        torch.save = real_save
+        torch.serialization.set_crc32_options(True)
+    assert seen and not any(seen), seen
+    for name in ("sTrue", "aTrue"):
+        fresh = make_model(1)
+        ckpt.load({"model": fresh}, tmp_path / name)  # verified, then read by torch.load
+        assert_same(params(fresh), params(model))

@@ -20,15 +20,16 @@ adds rounds of communication. So :class:`CheckpointWriter`:
   and renames the directory ([Note: atomic commit] in ``_layout.py``); its result
   comes back to every rank with DCP's (see [Note: the commit's result rides back]).
 
-* switches off, while it writes, the CRC-32 that ``torch.save`` computes for every
-  record of its zip archives (``torch.serialization.set_crc32_options``): a second
+* switches off the CRC-32 that ``torch.save`` computes for every record of its zip
+  archives (``torch.serialization.set_crc32_options``) while it writes: a second
   checksum of the same bytes, which nothing reads (``torch.load``, so DCP's reader,
-  loads records without it), and which cost as much as the manifest's own (38 of the
-  48 ms ``torch.save`` took for the issue's 144 MiB per rank). The manifest's digest
-  covers every byte of every file and ``load`` checks it before DCP reads anything.
-  The option is process-wide: a ``torch.save`` on another thread while a ckpt save is
-  writing leaves its records' CRC fields zero too (``torch.load`` reads them; zip
-  tools would complain), and the option is put back as it was found afterwards.
+  loads records without it) and which costs as much as the manifest's own (38 of
+  the 48 ms ``torch.save`` took for 144 MiB per rank). The manifest's digest covers
+  every byte and ``load`` checks it before DCP reads anything. torch keeps that
+  option per thread (its config module's overrides are thread-local), so only the
+  thread writing the checkpoint sees it off: the user's own ``torch.save`` calls,
+  also those made while an ``async_save`` writes, keep their CRCs; the writing
+  thread's setting is put back as found.
 
 Durability is unchanged: every data file, ``.metadata`` and the manifest are synced
 before the rename, the directories after it.
@@ -101,29 +102,15 @@ class _Digest:
         return self._blake.hexdigest() if self._blake is not None else f"{self._crc:08x}"
 
 
-class _RecordCrc:
-    """How many ckpt writers run with ``torch.save``'s record CRC off, and what the
-    option was before the first (see [Note: one pass over the bytes])."""
-
-    lock = threading.Lock()
-    writers = 0
-    before = True
-
-
 @contextmanager
 def _without_record_crc() -> Generator[None, None, None]:
-    with _RecordCrc.lock:
-        if _RecordCrc.writers == 0:
-            _RecordCrc.before = torch.serialization.get_crc32_options()
-            torch.serialization.set_crc32_options(False)
-        _RecordCrc.writers += 1
+    """``torch.save``'s record CRC off in this thread, then back as found."""
+    before = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
     try:
         yield
     finally:
-        with _RecordCrc.lock:
-            _RecordCrc.writers -= 1
-            if _RecordCrc.writers == 0:
-                torch.serialization.set_crc32_options(_RecordCrc.before)
+        torch.serialization.set_crc32_options(before)
 
 
 class _HashingStream(io.RawIOBase):
