@@ -160,7 +160,12 @@ def test_extra_step_then_barrier(tmp_path: Path) -> None:
     assert out[0][0] in ("RuntimeError", "DistBackendError") and "Timed out" in out[0][1]
     assert out[1][0] == "CollectiveError"
     assert out[1][1].startswith("rank 1: all_gather of ")
-    assert "for FSDP unit '<root>' failed during forward: the other ranks did not join" in out[1][1]
+    assert "for FSDP unit '<root>' failed during forward: " in out[1][1]
+    # Rank 1's gather began one step later than rank 0's barrier, so rank 0 times out
+    # first; whether rank 1 then times out too or sees rank 0's exit close the
+    # connection is a race, and either reason is true.
+    why = out[1][1].split("failed during forward: ", 1)[1]
+    assert why.startswith(("the other ranks did not join", "a peer rank died or closed")), why
     assert all(o[2] < PG_TIMEOUT_S + SLACK_S for o in out), out
 
 
