@@ -43,7 +43,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Shard
 
-from fsdp._fully_shard._tensor_parallel import TensorParallelSpec
+from fsdp._fully_shard._tensor_parallel import TensorParallelSpec, wrap_local
 
 __all__ = ["ParamSite", "ShardedParam", "local_tensor", "set_local_tensor"]
 
@@ -121,15 +121,7 @@ class ShardedParam:
         """A sharded ``DTensor`` of this parameter whose local tensor shares ``local``'s memory
         (the parameter, or its gradient)."""
         shape = self.global_shape
-        with torch.no_grad():
-            return DTensor.from_local(
-                local,
-                self.mesh,
-                self.placements,
-                run_check=False,
-                shape=shape,
-                stride=_contiguous_stride(shape),
-            )
+        return wrap_local(local, self.mesh, self.placements, shape, _contiguous_stride(shape))
 
     def unsharded_leaf(self, buf: Tensor, full: Tensor) -> nn.Parameter:
         """The unsharded leaf with data ``full`` (a view of ``buf``); made when ``buf`` is."""

@@ -34,6 +34,7 @@ inside ``DTensor``'s ops; ``fully_shard`` never communicates over tp.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,7 +46,28 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from fsdp._fully_shard._mesh import MeshInfo
 
-__all__ = ["MeshComposer", "MeshCompositionError", "TensorParallelSpec", "check_dtensor_param"]
+__all__ = [
+    "MeshComposer",
+    "MeshCompositionError",
+    "TensorParallelSpec",
+    "check_dtensor_param",
+    "wrap_local",
+]
+
+
+def wrap_local(
+    local: Tensor,
+    mesh: DeviceMesh,
+    placements: Sequence[Placement],
+    shape: torch.Size,
+    stride: tuple[int, ...],
+) -> DTensor:
+    """``local`` as this rank's part of a ``DTensor`` of ``shape`` and ``stride``, sharing
+    its memory: no check and no communication (the caller knows the layout)."""
+    with torch.no_grad():
+        return DTensor.from_local(
+            local, mesh, tuple(placements), run_check=False, shape=shape, stride=stride
+        )
 
 
 class MeshCompositionError(ValueError, RuntimeError):
@@ -76,15 +98,7 @@ class TensorParallelSpec:
 
     def to_dtensor(self, local: Tensor) -> DTensor:
         """``local`` (a gathered tp piece) as the unsharded ``DTensor``, sharing its memory."""
-        with torch.no_grad():
-            return DTensor.from_local(
-                local,
-                self.mesh,
-                self.placements,
-                run_check=False,
-                shape=self.shape,
-                stride=self.stride,
-            )
+        return wrap_local(local, self.mesh, self.placements, self.shape, self.stride)
 
     def local_grad(self, grad: Tensor) -> Tensor:
         """The tp-local tensor of the unsharded parameter's gradient, in the tp placements.
