@@ -110,6 +110,12 @@ def fabric_run(how: str, strategy: str, orig: bool, sd_type: str, root: str) -> 
         strategy=_strategy("fabric", strategy, orig, sd_type),
     )
     fabric.launch()  # the processes exist (LOCAL_RANK is set): only initialises
+    return save_resume_run(fabric, os.path.join(root, f"{strategy}-{orig}-{sd_type}"))
+
+
+def save_resume_run(fabric: Any, path: str) -> dict[str, Any]:
+    """Through ``fabric``: uninterrupted, then saved at SAVE_AT to ``path`` and resumed
+    into a model seeded otherwise; the losses of both and the wrapper's class."""
     data = batches(STEPS * ACCUMULATE)
 
     def setup(seed: int) -> tuple[nn.Module, Any]:
@@ -121,7 +127,6 @@ def fabric_run(how: str, strategy: str, orig: bool, sd_type: str, root: str) -> 
     whole = train(fabric, model, opt, data, range(STEPS))
     model, opt = setup(0)
     first = train(fabric, model, opt, data, range(SAVE_AT))
-    path = os.path.join(root, f"{strategy}-{orig}-{sd_type}")
     fabric.save(path, {"model": model, "optimizer": opt, "step": SAVE_AT})
     model, opt = setup(1)
     state: dict[str, Any] = {"model": model, "optimizer": opt}

@@ -12,12 +12,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests.compat._fabric import ACCUMULATE, SAVE_AT, STEPS, lightning_env, train
-from tests.fsdp._common import Block, batches, make_net
+from tests.compat._fabric import lightning_env, save_resume_run
+from tests.fsdp._common import Block
 
 
 def parallelize(model: nn.Module, device_mesh: Any) -> nn.Module:
@@ -53,29 +52,12 @@ def model_parallel_run(impl: str, root: str) -> dict[str, Any]:
             ),
         )
         fabric.launch()
-        data = batches(STEPS * ACCUMULATE)
-
-        def setup(seed: int) -> tuple[nn.Module, Any]:
-            model = fabric.setup_module(make_net(seed))
-            opt = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
-            return model, opt
-
-        model, opt = setup(0)
-        whole = train(fabric, model, opt, data, range(STEPS))
-        kind = type(model._forward_module)
-        model, opt = setup(0)
-        first = train(fabric, model, opt, data, range(SAVE_AT))
-        path = os.path.join(root, f"model-parallel-{impl}")
-        fabric.save(path, {"model": model, "optimizer": opt, "step": SAVE_AT})
-        model, opt = setup(1)
-        state: dict[str, Any] = {"model": model, "optimizer": opt}
-        rest = fabric.load(path, state)
-        resumed = train(fabric, model, opt, data, range(rest["step"], STEPS))
+        run = save_resume_run(fabric, os.path.join(root, f"model-parallel-{impl}"))
     finally:
         if impl == "ours":
             fsdp.torch_compat.uninstall()
     return {
-        "whole": whole,
-        "resumed": first + resumed,
-        "ours": issubclass(kind, fsdp.FSDPModule),
+        "whole": run["whole"],
+        "resumed": run["resumed"],
+        "ours": issubclass(run["wrapper"], fsdp.FSDPModule),
     }

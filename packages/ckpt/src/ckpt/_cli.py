@@ -367,16 +367,27 @@ def _verify(args: argparse.Namespace) -> int:
         "signature_checked": key is not None,
         "problems": _problem_docs(problems),
     }
+    signed = ", signature ok" if key is not None else ""
+    ok = f"ok ({len(manifest.files)} files, {_human(manifest.total_bytes)}{signed})"
+    return _report_verify(path, args, doc, problems, ok)
+
+
+def _report_verify(
+    path: Path,
+    args: argparse.Namespace,
+    doc: dict[str, Any],
+    problems: Sequence[FileProblem],
+    ok: str,
+) -> int:
+    """``verify``'s output (``doc`` as JSON, or each problem or ``ok`` as a line) and
+    exit status, the same for both kinds of checkpoint."""
     if args.json:
         _print_json(doc)
     else:
         for problem in problems:
             print(f"{path}: {problem}")
         if not problems:
-            signed = ", signature ok" if key is not None else ""
-            print(
-                f"{path}: ok ({len(manifest.files)} files, {_human(manifest.total_bytes)}{signed})"
-            )
+            print(f"{path}: {ok}")
     return EXIT_CORRUPT if problems else EXIT_OK
 
 
@@ -401,19 +412,13 @@ def _verify_dcp(path: Path, args: argparse.Namespace) -> int:
         "signature_checked": False,
         "problems": _problem_docs(problems),
     }
-    if args.json:
-        _print_json(doc)
-    else:
-        for problem in problems:
-            print(f"{path}: {problem}")
-        if not problems:
-            print(
-                f"{path}: ok as far as a plain DCP checkpoint can be checked: the "
-                f"{len(referenced)} data files .metadata references are present and long "
-                f"enough ({_human(sum(referenced.values()))}); it has no ckpt manifest, so "
-                "no checksums were compared"
-            )
-    return EXIT_CORRUPT if problems else EXIT_OK
+    ok = (
+        "ok as far as a plain DCP checkpoint can be checked: the "
+        f"{len(referenced)} data files .metadata references are present and long "
+        f"enough ({_human(sum(referenced.values()))}); it has no ckpt manifest, so "
+        "no checksums were compared"
+    )
+    return _report_verify(path, args, doc, problems, ok)
 
 
 def _export(args: argparse.Namespace) -> int:

@@ -72,7 +72,6 @@ class DTensorModels:
     def model_state_dict(
         self, model: nn.Module, options: StateDictOptions, submodules: set[nn.Module] | None
     ) -> dict[str, Any]:
-
         prefix = root_prefix(model)
         with torch.no_grad():
             raw = model.state_dict()
@@ -135,7 +134,6 @@ class DTensorModels:
     def optimizer_state_dict(
         self, model: nn.Module, optim: torch.optim.Optimizer, options: StateDictOptions
     ) -> dict[str, Any]:
-
         prefix = root_prefix(model)
         full = options.full_state_dict
         state: dict[str, Any] = {}

@@ -80,6 +80,7 @@ from fsdp._runtime._common import (
     cast_floating_tensors,
     clean_fqn,
     eager_only,
+    hook_grad_outputs,
     move_tensors_to_device,
 )
 from fsdp._runtime._root_context import RateLimiter, RootContext
@@ -473,15 +474,7 @@ class FullyShardState:
     def _register_pre_backward(self, output: Any) -> Any:
         registered = False
         if torch.is_grad_enabled():
-
-            def register(t: Tensor) -> Tensor:
-                nonlocal registered
-                if t.requires_grad:
-                    t.register_hook(self._pre_backward)
-                    registered = True
-                return t
-
-            output = apply_to_tensors(register, output)
+            output, registered = hook_grad_outputs(output, self._pre_backward)
         self._expects_backward = registered
         return output
 

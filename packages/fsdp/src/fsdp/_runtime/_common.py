@@ -26,6 +26,7 @@ __all__ = [
     "cast_floating_tensors",
     "clean_fqn",
     "eager_only",
+    "hook_grad_outputs",
     "move_tensors_to_device",
 ]
 
@@ -85,6 +86,21 @@ def eager_only(fn: _F) -> _F:
 def clean_fqn(name: str) -> str:
     """A name with every FSDP (and checkpoint-wrapper) level removed: the unwrapped model's name."""
     return name.replace(FSDP_PREFIX, "").replace(CHECKPOINT_PREFIX, "")
+
+
+def hook_grad_outputs(output: Any, hook: Callable[[Tensor], Any]) -> tuple[Any, bool]:
+    """Register ``hook`` on every tensor of ``output`` that requires a gradient; whether
+    any did (if none, no backward will reach this module through its output)."""
+    registered = False
+
+    def register(t: Tensor) -> Tensor:
+        nonlocal registered
+        if t.requires_grad:
+            t.register_hook(hook)
+            registered = True
+        return t
+
+    return apply_to_tensors(register, output), registered
 
 
 def apply_to_tensors(fn: Callable[[Tensor], Tensor], obj: Any) -> Any:

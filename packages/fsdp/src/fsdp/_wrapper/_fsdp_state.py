@@ -52,9 +52,9 @@ from fsdp._runtime._collective_failure import in_phase
 from fsdp._runtime._common import (
     TrainingState,
     TrainingStateError,
-    apply_to_tensors,
     cast_floating_tensors,
     eager_only,
+    hook_grad_outputs,
     move_tensors_to_device,
 )
 from fsdp._runtime._root_context import RateLimiter, RootContext
@@ -324,16 +324,7 @@ class FSDPState:
         return output
 
     def _register_pre_backward_hooks(self, output: Any) -> tuple[Any, bool]:
-        registered = False
-
-        def register(t: Tensor) -> Tensor:
-            nonlocal registered
-            if t.requires_grad:
-                t.register_hook(self._pre_backward)
-                registered = True
-            return t
-
-        output = apply_to_tensors(register, output)
+        output, registered = hook_grad_outputs(output, self._pre_backward)
         if registered:
             self._ran_pre_backward = False
         return output, registered
