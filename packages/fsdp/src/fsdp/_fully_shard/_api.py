@@ -541,8 +541,15 @@ class FSDPModule:
         return None
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
-        """Whether the next backward is the last before the optimizer step: only the last
-        waits for the gradient reductions (set False for all but the last micro-batch)."""
+        """Whether the next backward is the last before the optimizer step (set False for all
+        but the last micro-batch): the last one forgets the recorded backward order.
+
+        Every backward completes its gradient reductions, so ``.grad`` is whole after
+        any backward: torch's on CUDA leaves them on the reduction stream after a
+        backward that is not the last, and an optimizer step after such a backward
+        (the flag left ``False`` by mistake) would read gradients still being
+        written; on the CPU, where the stack runs, waiting costs nothing that could
+        overlap with the step."""
         state = self._fully_shard_state()
         state.lazy_init()
         state._iteration().is_last_backward = is_last_backward

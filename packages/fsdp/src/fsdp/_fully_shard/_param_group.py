@@ -17,6 +17,18 @@ moves them between states with :meth:`ParamGroup.unshard`,
 in ``_state.py`` decide when. A gather issued ahead of the module's forward
 (or by ``FSDPModule.unshard(async_op=True)``) leaves the group UNSHARDING
 until its pre-forward waits for it.
+
+[Note: stale gathers]
+A gathered copy is only as new as the sharded data it was gathered from. Two
+knobs keep a gather past an optimizer step: ``set_reshard_after_backward(False)``
+(with ``reshard_after_forward=False`` or on the root) keeps the unsharded
+parameters into the next forward, and an ``unshard()`` by hand may come before
+``optimizer.step()``. torch's FSDP2 then computes the next forward with the
+old values, silently. Each part remembers the sum of the version counters of its
+sharded region, its sharded ``DTensor`` parameters and their local tensors (an
+in-place update through any of them moves one; counters only grow) when its
+gather was issued; :meth:`ParamGroup.is_stale` compares, and the pre-forward
+gathers again instead of using stale values.
 """
 
 from __future__ import annotations
@@ -82,6 +94,7 @@ class GroupPart:
     post_storage: ShardedStorage | None
     # Reduce-scattered gradients not yet all-reduced across replicas (set_requires_all_reduce).
     partial: Tensor | None
+    gathered_version: int  # data_version() when its last gather was issued
 
     def __init__(self, group: ParamGroup, params: list[ShardedParam], trainable: bool) -> None:
         self.group = group
@@ -90,6 +103,7 @@ class GroupPart:
         self.partial = None
         self.post_layout = None
         self.post_storage = None
+        self.gathered_version = -1
 
     # --- construction and re-synchronisation ------------------------------------------------
 
@@ -258,7 +272,16 @@ class GroupPart:
         """Issue this part's all-gather (from the post-forward copy if ``post_forward``)."""
         storage = self.post_storage if post_forward else self.storage
         assert storage is not None
+        if not post_forward:
+            self.gathered_version = self.data_version()
         storage.start_gather()
+
+    def data_version(self) -> int:
+        """Moves whenever the sharded data changes in place (see [Note: stale gathers])."""
+        version = self.storage.shard._version
+        for p in self.params:
+            version += p.sharded._version + local_tensor(p.sharded)._version
+        return version
 
     def finish_gather(self, post_forward: bool) -> None:
         """Wait, copy every parameter out of the gathered buffer, free it; register the
@@ -568,6 +591,13 @@ class ParamGroup:
     @property
     def is_unsharded(self) -> bool:
         return self.state is GroupState.UNSHARDED
+
+    def is_stale(self) -> bool:
+        """Whether a gather issued or held now predates an in-place change of the sharded
+        parameters (see [Note: stale gathers])."""
+        if self.state is GroupState.SHARDED:
+            return False
+        return any(part.data_version() != part.gathered_version for part in self.parts)
 
     def unshard(self) -> None:
         """Issue the all-gathers (-> UNSHARDING); no-op unless SHARDED or SHARDED_POST_FORWARD."""

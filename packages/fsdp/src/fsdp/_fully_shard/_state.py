@@ -37,9 +37,10 @@ For a module ``m`` with a group (``reshard_after_forward=True`` unless noted):
    leaves).
 5. end of backward (the root's callback): post-backward for groups whose
    inputs needed no gradient (the root, with token ids as input), every
-   state back to IDLE; on the last backward (``set_is_last_backward``) every
-   reduction is completed, so each sharded parameter's ``.grad`` holds its
-   averaged gradient shard as a ``DTensor``.
+   state back to IDLE; every reduction is completed, so each sharded
+   parameter's ``.grad`` holds its averaged gradient shard as a ``DTensor``
+   (the last backward, ``set_is_last_backward``, also forgets the recorded
+   backward order).
 
 [Note: several modules, one group]
 ``fully_shard([a, b])`` gives ``a`` and ``b`` one state and one group (torchtitan
@@ -73,6 +74,7 @@ from fsdp._fully_shard._mesh import MeshInfo
 from fsdp._fully_shard._param import local_tensor
 from fsdp._fully_shard._param_group import GroupState, ParamGroup
 from fsdp._fully_shard._policies import MixedPrecisionPolicy
+from fsdp._fully_shard._saved_params import SavedParamsWatch
 from fsdp._runtime._agreement import check_agree
 from fsdp._runtime._collective_failure import in_phase
 from fsdp._runtime._common import (
@@ -146,6 +148,9 @@ class FullyShardState:
     backward_prefetch: list[FullyShardState] | None  # set_modules_to_backward_prefetch
     _expects_backward: bool  # the last forward hooked outputs for backward
     _to_run: list[nn.Module]  # modules of the group whose forward is still to come
+    # set_unshard_in_backward(False): whether the last forward saved the parameters
+    _watch: SavedParamsWatch | None
+    _saved_params: bool
 
     def __init__(
         self,
@@ -173,6 +178,8 @@ class FullyShardState:
         self.backward_prefetch = None
         self._expects_backward = False
         self._to_run = []
+        self._watch = None
+        self._saved_params = False
         for module in modules:
             module.__dict__[STATE_ATTR] = self
         if len(modules) == 1:
@@ -309,6 +316,8 @@ class FullyShardState:
         if ctx.forward_ahead is self:
             ctx.forward_ahead = None  # issued ahead by the module before: its turn now
         if group is not None:
+            if group.is_stale():
+                self._discard_gather()  # [Note: stale gathers] in _param_group.py
             if group.state in _GATHERABLE:
                 ctx.limiter.throttle()
                 group.unshard()
@@ -320,6 +329,10 @@ class FullyShardState:
                 args, kwargs = self._register_post_backward(args, kwargs)
         if not first:
             return args, kwargs
+        self._saved_params = False
+        if group is not None and not group.unshard_in_backward and torch.is_grad_enabled():
+            ptrs = {p.buf.untyped_storage().data_ptr() for p in group.params if p.buf is not None}
+            self._watch = SavedParamsWatch(ptrs).__enter__()
         if self.forward_prefetch is not None:
             for target in self.forward_prefetch:
                 target._prefetch()
@@ -400,6 +413,9 @@ class FullyShardState:
 
     def _complete_forward(self, output: Any) -> Any:
         """The group's forward is over: reshard, hook ``output`` for the backward."""
+        if self._watch is not None:
+            self._watch.__exit__()
+            self._saved_params, self._watch = self._watch.saw_params, None
         ctx = self._context()
         group = self.group
         if group is not None and group.post_forward is not None and group.is_unsharded:
@@ -431,6 +447,16 @@ class FullyShardState:
         if target.group.state is GroupState.UNSHARDING:
             target.group.reshard()
             ctx.limiter.record_free()
+
+    def _discard_gather(self) -> None:
+        """Drop what this group gathered (or is gathering) without using it."""
+        group = self.group
+        assert group is not None
+        if group.state is GroupState.SHARDED:
+            return
+        group.reshard()
+        if self.ctx is not None:
+            self.ctx.limiter.record_free()
 
     def _prefetch(self) -> None:
         """Issue this module's gather now (explicit prefetching)."""
@@ -492,6 +518,14 @@ class FullyShardState:
         self.group_phase = Phase.PRE_BACKWARD
         group = self.group
         ctx = self._context()
+        if group is not None and not group.unshard_in_backward and self._saved_params:
+            raise ValueError(
+                f"set_unshard_in_backward(False) on the fully_shard module {group.fqn!r}, but "
+                "its forward saved its parameters for the backward (autograd needs them to "
+                "compute gradients: a Linear, a norm), and they are not gathered again. Keep "
+                "set_unshard_in_backward(True) (the default) for it: only a module whose "
+                "backward reads no parameters (an embedding) can skip the gather."
+            )
         if group is not None and group.unshard_in_backward:
             if not group.is_unsharded:
                 ctx.limiter.throttle()
@@ -536,9 +570,15 @@ class FullyShardState:
         for state in ctx.states:
             if state.group is not None and state.group_phase is not Phase.POST_BACKWARD:
                 state._post_backward()
+            if state.group is not None and state.group.state is GroupState.UNSHARDING:
+                # A prefetch that no backward used (it named a module whose backward had
+                # already run, or will not run): its gather is dropped, never copied out.
+                state._discard_gather()
             state._back_to_idle()
+        # Every backward completes its reductions: one that is not the last may still be
+        # followed by an optimizer step or a read of .grad (see set_is_last_backward).
+        ctx.finish_reductions()
         if iteration.is_last_backward:
-            ctx.finish_reductions()
             ctx.exec_order.end_backward()
         ctx.callback_queued = False
 

@@ -1,0 +1,326 @@
+"""Run one fuzz example on its ranks: ours against DDP on the same data, then judge.
+
+Inside each rank, :func:`run_example` trains the reference (a plain copy whose
+gradients are averaged with ``all_reduce`` exactly as the front end divides
+them: fully_shard sums then divides, FSDP1 splits the division around the sum)
+and then the sharded model under the example's plan and schedule, recording
+after every step the losses, the full gradients (fully_shard) and the full
+parameters. SGD with momentum, whose update is proportional to the gradient,
+so a wrongly scaled gradient shows in the parameters (Adam would hide it).
+
+An example ends one of two ways (:func:`judge`): everything equal (bit for bit
+at 1 and 2 ranks, within :data:`TOLERANCE_4` at 4, where sums run in other
+orders), or every rank raised a clear error (an exception raised by our
+package, not a bare ``AssertionError``) before any recorded value differed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import traceback
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from tests.fuzz._model import batch, build, loss_fn
+from tests.fuzz._space import Example, Fsdp1Plan, FullyShardPlan, Point, Step, reproduction
+from tests.ranks import RankFailure, run_ranks
+
+LR = 0.1
+MOMENTUM = 0.5
+TOLERANCE_4 = 1e-5
+TIMEOUT_S = 60.0
+
+
+@dataclasses.dataclass
+class Record:
+    """What one run recorded; ``error`` is set when it stopped on an exception."""
+
+    losses: list[float] = dataclasses.field(default_factory=list)
+    grads: list[dict[str, Tensor]] = dataclasses.field(default_factory=list)
+    params: list[dict[str, Tensor]] = dataclasses.field(default_factory=list)
+    error: tuple[str, str, bool] | None = None  # (type, message, raised by our package)
+
+
+def _full(t: Any) -> Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def _clean(name: str) -> str:
+    return name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")
+
+
+def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)
+
+
+# --- the reference ------------------------------------------------------------------------------
+
+
+def _reference(example: Example) -> Record:
+    """DDP's result: local gradients accumulated, averaged on every synced micro-batch."""
+    from fsdp._runtime._collectives import gradient_divide_factors
+
+    ws = dist.get_world_size()
+    pre, post = (1.0, float(ws))
+    if isinstance(example.plan, Fsdp1Plan):
+        pre, post = gradient_divide_factors(ws)
+    model = build(example.model, example.seed)
+    opt = _optimizer(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    rec = Record()
+    for s, step in enumerate(example.steps):
+        acc: dict[int, Tensor] = {}
+        for k, micro in enumerate(step.micros):
+            x, y = batch(example.seed, dist.get_rank(), s, k)
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            rec.losses.append(loss.item())
+            if not micro.sync:
+                continue
+            for p in params:
+                if p.grad is None:
+                    continue
+                g = p.grad / pre if pre != 1.0 else p.grad.clone()
+                dist.all_reduce(g)
+                g /= post
+                acc[id(p)] = acc[id(p)] + g if id(p) in acc else g
+                p.grad = None
+        for p in params:
+            p.grad = acc.get(id(p))
+        rec.grads.append(
+            {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        )
+        opt.step()
+        opt.zero_grad()
+        rec.params.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    return rec
+
+
+# --- fully_shard --------------------------------------------------------------------------------
+
+
+def _fully_shard_model(example: Example) -> tuple[nn.Module, dict[str, nn.Module]]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp import fully_shard
+
+    plan = example.plan
+    assert isinstance(plan, FullyShardPlan)
+    ws = dist.get_world_size()
+    if plan.hsdp:
+        mesh = init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (ws,))
+    model = build(example.model, example.seed)
+    by_name: dict[str, nn.Module] = {}
+    for call, raf in zip(plan.calls, plan.reshard_after_forward, strict=True):
+        mods = [model.get_submodule(n) if n else model for n in call]
+        fully_shard(mods if len(mods) > 1 else mods[0], mesh=mesh, reshard_after_forward=raf)
+        by_name[call[0]] = mods[0]
+    return model, by_name
+
+
+def _fully_shard_calls(by_name: dict[str, nn.Module], step: Step, point: Point) -> None:
+    for when, name, op in step.calls:
+        if when != point:
+            continue
+        m: Any = by_name[name]
+        if op == "unshard":
+            m.unshard()
+        elif op == "unshard_async":
+            m.unshard(async_op=True).wait()
+        elif op == "unshard_nowait":
+            m.unshard(async_op=True)
+        elif op == "reshard":
+            m.reshard()
+
+
+def _run_fully_shard(example: Example, rec: Record) -> None:
+    model, by_name = _fully_shard_model(example)
+    root: Any = model
+    opt = _optimizer(model)
+    # The sharded parameters, named once: after an unshard() by hand the modules hold
+    # the unsharded ones, which the optimizer does not step.
+    named = list(model.named_parameters())
+    for s, step in enumerate(example.steps):
+        for name, setter, value in step.settings:
+            arg = [by_name[v] for v in value] if setter.startswith("set_modules_to") else value  # type: ignore[attr-defined]
+            getattr(by_name[name], setter)(arg)
+        _fully_shard_calls(by_name, step, "before_forward")
+        for k, micro in enumerate(step.micros):
+            root.set_requires_gradient_sync(micro.sync)
+            if micro.last_backward is not None:
+                root.set_is_last_backward(micro.last_backward)
+            x, y = batch(example.seed, dist.get_rank(), s, k)
+            loss = loss_fn(model(x), y)
+            if k == len(step.micros) - 1:
+                _fully_shard_calls(by_name, step, "after_forward")
+            loss.backward()
+            rec.losses.append(loss.item())
+        _fully_shard_calls(by_name, step, "after_backward")
+        rec.grads.append({n: _full(p.grad) for n, p in named if p.grad is not None})
+        opt.step()
+        opt.zero_grad()
+        _fully_shard_calls(by_name, step, "after_step")
+        rec.params.append({n: _full(p) for n, p in named})
+
+
+# --- FSDP1 --------------------------------------------------------------------------------------
+
+
+def _run_fsdp1(example: Example, rec: Record) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp import BackwardPrefetch, ShardingStrategy
+    from fsdp import FullyShardedDataParallel as FSDP  # noqa: N817
+
+    plan = example.plan
+    assert isinstance(plan, Fsdp1Plan)
+    ws = dist.get_world_size()
+    kwargs: dict[str, Any] = {
+        "sharding_strategy": ShardingStrategy[plan.strategy],
+        "forward_prefetch": plan.forward_prefetch,
+        "backward_prefetch": None
+        if plan.backward_prefetch is None
+        else BackwardPrefetch[plan.backward_prefetch],
+        "limit_all_gathers": plan.limit_all_gathers,
+        "use_orig_params": plan.use_orig_params,
+    }
+    if "HYBRID" in plan.strategy:
+        kwargs["device_mesh"] = init_device_mesh(
+            "cpu", (2, ws // 2), mesh_dim_names=("replicate", "shard")
+        )
+    model = build(example.model, example.seed)
+    by_name: dict[str, nn.Module] = {}
+    for name in plan.wrap:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        wrapped = FSDP(parent.get_submodule(child), **kwargs)
+        setattr(parent, child, wrapped) if not child.isdigit() else parent.__setitem__(  # type: ignore[operator]
+            int(child), wrapped
+        )
+        by_name[name] = wrapped
+    root = FSDP(model, **kwargs)
+    by_name[""] = root
+    opt = _optimizer(root)
+
+    def calls(step: Step, point: Point) -> None:
+        for when, name, _ in step.calls:
+            if when == point:
+                with FSDP.summon_full_params(by_name[name]):
+                    pass
+
+    for s, step in enumerate(example.steps):
+        calls(step, "before_forward")
+        for k, micro in enumerate(step.micros):
+            x, y = batch(example.seed, dist.get_rank(), s, k)
+            with contextlib.nullcontext() if micro.sync else root.no_sync():
+                loss = loss_fn(root(x), y)
+                if k == len(step.micros) - 1:
+                    calls(step, "after_forward")
+                loss.backward()
+            rec.losses.append(loss.item())
+        calls(step, "after_backward")
+        opt.step()
+        opt.zero_grad()
+        calls(step, "after_step")
+        with FSDP.summon_full_params(root):
+            rec.params.append({_clean(n): p.detach().clone() for n, p in root.named_parameters()})
+
+
+# --- judging ------------------------------------------------------------------------------------
+
+
+def _ours_raised(exc: BaseException) -> bool:
+    import fsdp
+
+    root = os.path.dirname(fsdp.__file__)
+    frames = traceback.extract_tb(exc.__traceback__)
+    return bool(frames) and frames[-1].filename.startswith(root) and type(exc) is not AssertionError
+
+
+def run_example(example: Example) -> tuple[Record, Record]:
+    """(reference, ours) on this rank."""
+    ref = _reference(example)
+    ours = Record()
+    try:
+        if isinstance(example.plan, FullyShardPlan):
+            _run_fully_shard(example, ours)
+        else:
+            _run_fsdp1(example, ours)
+    except Exception as exc:  # judged by the test process
+        text = "".join(traceback.format_exception(exc))
+        ours.error = (type(exc).__name__, text, _ours_raised(exc))
+    return ref, ours
+
+
+def _pairs(ref: Record, ours: Record) -> Iterator[tuple[str, Tensor | float, Tensor | float]]:
+    """Recorded values side by side; a name on one side only pairs with NaN."""
+    missing = torch.tensor(float("nan"))
+    for i, (a, b) in enumerate(zip(ref.losses, ours.losses, strict=False)):
+        yield f"loss {i}", a, b
+    for kind, ra, rb in (("grad", ref.grads, ours.grads), ("param", ref.params, ours.params)):
+        for s, (da, db) in enumerate(zip(ra, rb, strict=False)):
+            for n in sorted(set(da) | set(db)):
+                yield f"step {s} {kind} {n}", da.get(n, missing), db.get(n, missing)
+
+
+def differences(ref: Record, ours: Record, world_size: int) -> list[str]:
+    """Every recorded value of ``ours`` that differs from ``ref`` (prefixes compared)."""
+    out = []
+    for what, a, b in _pairs(ref, ours):
+        ta, tb = torch.as_tensor(a), torch.as_tensor(b)
+        if ta.shape != tb.shape:
+            out.append(f"{what}: shape {tuple(tb.shape)} instead of {tuple(ta.shape)}")
+            continue
+        if world_size <= 2:
+            if not torch.equal(ta, tb):
+                worst = (ta - tb).abs().max().item() if ta.numel() else 0.0
+                out.append(f"{what}: differs by {worst:.3g}")
+        elif not torch.allclose(ta, tb, rtol=TOLERANCE_4, atol=TOLERANCE_4):
+            out.append(f"{what}: differs by {(ta - tb).abs().max().item():.3g}")
+    return out
+
+
+def judge(example: Example, results: list[tuple[Record, Record]]) -> str | None:
+    """``None`` if the example ended well, else what went wrong."""
+    problems: list[str] = []
+    errors = [ours.error for _, ours in results]
+    if any(e is not None for e in errors):
+        if any(e is None for e in errors):
+            problems.append("only some ranks raised")
+        for rank, e in enumerate(errors):
+            if e is not None and not e[2]:
+                problems.append(f"rank {rank} raised an error that is not a clear one:\n{e[1]}")
+    for rank, (ref, ours) in enumerate(results):
+        diff = differences(ref, ours, example.world_size)
+        if diff:
+            problems.append(f"rank {rank}: " + "; ".join(diff[:6]))
+    if not problems:
+        return None
+    return "\n".join(problems)
+
+
+def check_example(example: Example, note: Callable[[str], None] = print) -> None:
+    """Run ``example`` and raise ``AssertionError`` (with a reproduction) if it ended badly."""
+    try:
+        results = run_ranks(run_example, example.world_size, example, timeout=TIMEOUT_S)
+    except RankFailure as failure:
+        raise AssertionError(
+            f"ranks failed or hung:\n{failure}\n\nreproduce with:\n{reproduction(example)}"
+        ) from None
+    verdict = judge(example, results)
+    if verdict is not None:
+        raise AssertionError(f"{verdict}\n\nreproduce with:\n{reproduction(example)}")
+    errors = {e[0] for _, ours in results if (e := ours.error) is not None}
+    if errors:
+        note(f"ended with a clear error on every rank: {sorted(errors)}")
