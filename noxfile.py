@@ -234,6 +234,17 @@ def train(session: nox.Session) -> None:
 
 
 @nox.session
+def fuzz(session: nox.Session) -> None:
+    """The differential fuzzer's long run (issue 32): 2,250 new examples per front end
+    (1,500 at 2 ranks, 750 at 4) against DDP; every one must train like DDP or raise."""
+    _install_stack(session, *TEST_DEPS)
+    session.run(
+        "pytest", "tests/fuzz/test_fuzz.py", "--long", "-x", *session.posargs,
+        env={"OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+
+
+@nox.session
 def bench(session: nox.Session) -> None:
     """Benchmarks against torch's own implementations, printed as ratio tables."""
     _install_stack(session, "numpy")

@@ -49,3 +49,12 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         from tests.ranks import shutdown
 
         shutdown()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    """``--long``: the differential fuzzer's long run (``tests/fuzz``, ``nox -s fuzz``)."""
+    parser.addoption(
+        "--long",
+        action="store_true",
+        help="tests/fuzz: thousands of random examples per front end instead of CI's fixed few",
+    )

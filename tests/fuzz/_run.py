@@ -71,8 +71,14 @@ def _reference(example: Example) -> Record:
 
     ws = dist.get_world_size()
     pre, post = (1.0, float(ws))
+    # FSDP1's NO_SHARD (without CPU offload) keeps the averaged gradient on the
+    # parameter, where the next backward adds to it, and all-reduces that sum (as DDP
+    # does); the other strategies (and offload) reduce each backward's new gradient
+    # and add the result to the one kept.
+    reduce_accumulated = False
     if isinstance(example.plan, Fsdp1Plan):
         pre, post = gradient_divide_factors(ws)
+        reduce_accumulated = example.plan.strategy == "NO_SHARD" and not example.plan.cpu_offload
     model = build(example.model, example.seed)
     opt = _optimizer(model)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -92,10 +98,14 @@ def _reference(example: Example) -> Record:
                 g = p.grad / pre if pre != 1.0 else p.grad.clone()
                 dist.all_reduce(g)
                 g /= post
-                acc[id(p)] = acc[id(p)] + g if id(p) in acc else g
-                p.grad = None
-        for p in params:
-            p.grad = acc.get(id(p))
+                if reduce_accumulated:
+                    p.grad = g  # the next backward adds to it, as under DDP
+                else:
+                    acc[id(p)] = acc[id(p)] + g if id(p) in acc else g
+                    p.grad = None
+        if not reduce_accumulated:
+            for p in params:
+                p.grad = acc.get(id(p))
         rec.grads.append(
             {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         )
@@ -111,7 +121,7 @@ def _reference(example: Example) -> Record:
 def _fully_shard_model(example: Example) -> tuple[nn.Module, dict[str, nn.Module]]:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from fsdp import fully_shard
+    from fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     plan = example.plan
     assert isinstance(plan, FullyShardPlan)
@@ -122,9 +132,15 @@ def _fully_shard_model(example: Example) -> tuple[nn.Module, dict[str, nn.Module
         mesh = init_device_mesh("cpu", (ws,))
     model = build(example.model, example.seed)
     by_name: dict[str, nn.Module] = {}
+    offload = CPUOffloadPolicy() if plan.offload else OffloadPolicy()
     for call, raf in zip(plan.calls, plan.reshard_after_forward, strict=True):
         mods = [model.get_submodule(n) if n else model for n in call]
-        fully_shard(mods if len(mods) > 1 else mods[0], mesh=mesh, reshard_after_forward=raf)
+        fully_shard(
+            mods if len(mods) > 1 else mods[0],
+            mesh=mesh,
+            reshard_after_forward=raf,
+            offload_policy=offload,
+        )
         by_name[call[0]] = mods[0]
     return model, by_name
 
@@ -146,6 +162,8 @@ def _fully_shard_calls(by_name: dict[str, nn.Module], step: Step, point: Point) 
 
 def _run_fully_shard(example: Example, rec: Record) -> None:
     model, by_name = _fully_shard_model(example)
+    plan = example.plan
+    assert isinstance(plan, FullyShardPlan)
     root: Any = model
     opt = _optimizer(model)
     # The sharded parameters, named once: after an unshard() by hand the modules hold
@@ -158,6 +176,8 @@ def _run_fully_shard(example: Example, rec: Record) -> None:
         _fully_shard_calls(by_name, step, "before_forward")
         for k, micro in enumerate(step.micros):
             root.set_requires_gradient_sync(micro.sync)
+            if plan.hsdp:
+                root.set_requires_all_reduce(micro.all_reduce)
             if micro.last_backward is not None:
                 root.set_is_last_backward(micro.last_backward)
             x, y = batch(example.seed, dist.get_rank(), s, k)
@@ -180,7 +200,7 @@ def _run_fully_shard(example: Example, rec: Record) -> None:
 def _run_fsdp1(example: Example, rec: Record) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from fsdp import BackwardPrefetch, ShardingStrategy
+    from fsdp import BackwardPrefetch, CPUOffload, ShardingStrategy
     from fsdp import FullyShardedDataParallel as FSDP  # noqa: N817
 
     plan = example.plan
@@ -194,6 +214,7 @@ def _run_fsdp1(example: Example, rec: Record) -> None:
         else BackwardPrefetch[plan.backward_prefetch],
         "limit_all_gathers": plan.limit_all_gathers,
         "use_orig_params": plan.use_orig_params,
+        "cpu_offload": CPUOffload(offload_params=plan.cpu_offload),
     }
     if "HYBRID" in plan.strategy:
         kwargs["device_mesh"] = init_device_mesh(

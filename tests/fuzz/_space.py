@@ -46,6 +46,7 @@ class Micro:
 
     sync: bool = True  # reduce gradients on it (the last of a step always does)
     last_backward: bool | None = None  # set_is_last_backward(value) before it, if not None
+    all_reduce: bool = True  # HSDP: set_requires_all_reduce (the last of a step: True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +67,7 @@ class FullyShardPlan:
     calls: tuple[tuple[str, ...], ...]  # each call's module names (several: one group)
     reshard_after_forward: tuple[bool | int | None, ...]  # one per call
     hsdp: bool = False  # a (2, world/2) mesh
+    offload: bool = False  # CPUOffloadPolicy on every call
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +80,7 @@ class Fsdp1Plan:
     backward_prefetch: str | None = "BACKWARD_PRE"
     limit_all_gathers: bool = True
     use_orig_params: bool = False
+    cpu_offload: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +144,7 @@ def fully_shard_plans(draw: st.DrawFn, model: ModelSpec, world_size: int) -> Ful
             i += 1
     calls.append(("",))
     rafs = tuple(draw(_reshard_values(world_size, hsdp)) for _ in calls)
-    return FullyShardPlan(tuple(calls), rafs, hsdp)
+    return FullyShardPlan(tuple(calls), rafs, hsdp, offload=draw(st.booleans()))
 
 
 @st.composite
@@ -158,18 +161,20 @@ def fsdp1_plans(draw: st.DrawFn, model: ModelSpec, world_size: int) -> Fsdp1Plan
         backward_prefetch=draw(st.sampled_from([None, "BACKWARD_PRE", "BACKWARD_POST"])),
         limit_all_gathers=draw(st.booleans()),
         use_orig_params=draw(st.booleans()),
+        cpu_offload=draw(st.booleans()),
     )
 
 
 @st.composite
-def _micros(draw: st.DrawFn, fully_shard: bool) -> tuple[Micro, ...]:
-    n = draw(st.integers(1, 2))
+def _micros(draw: st.DrawFn, fully_shard: bool, hsdp: bool = False) -> tuple[Micro, ...]:
+    n = draw(st.integers(1, 3))
     out = []
     for k in range(n):
         last = k == n - 1
         sync = True if last else draw(st.booleans())
         flag = draw(st.sampled_from([None, True, False])) if fully_shard else None
-        out.append(Micro(sync=sync, last_backward=flag))
+        all_reduce = True if last or not hsdp else draw(st.booleans())
+        out.append(Micro(sync=sync, last_backward=flag, all_reduce=all_reduce))
     return tuple(out)
 
 
@@ -225,7 +230,7 @@ def examples(draw: st.DrawFn, front_end: str, world_size: int) -> Example:
         for _ in range(STEPS):
             steps.append(
                 Step(
-                    micros=draw(_micros(True)),
+                    micros=draw(_micros(True, plan.hsdp)),
                     settings=draw(_fully_shard_settings(names, world_size, plan.hsdp)),
                     calls=draw(_calls(names, ops)),
                 )

@@ -2,8 +2,9 @@
 
 Hypothesis draws examples from ``_space.py`` (model, plan, a schedule of knobs and
 calls by hand per step) and ``_run.py`` runs each on its ranks against DDP. The
-suite runs a bounded number per front end and world size (``FUZZ_EXAMPLES``,
-default below); ``nox -s fuzz`` (or ``pytest tests/fuzz --long``) runs thousands.
+suite runs a fixed, bounded set per front end and world size; ``nox -s fuzz``
+(``pytest tests/fuzz --long``) draws thousands of new ones (``FUZZ_EXAMPLES``
+overrides either count).
 A failing example prints a standalone reproduction; the ones found so far are
 kept in ``test_fuzz_regressions.py``.
 """
@@ -18,15 +19,17 @@ from hypothesis import HealthCheck, given, note, settings
 from tests.fuzz._run import check_example
 from tests.fuzz._space import Example, examples
 
-EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "12"))
+CI_EXAMPLES = 12  # per front end at 2 ranks (half as many at 4): about a minute each
+LONG_EXAMPLES = 1500  # --long: 1,500 at 2 ranks and 750 at 4, per front end
 
 
-def _settings(world_size: int) -> settings:
-    n = EXAMPLES if world_size == 2 else max(1, EXAMPLES // 2)
+def _settings(world_size: int, long: bool) -> settings:
+    base = int(os.environ.get("FUZZ_EXAMPLES", LONG_EXAMPLES if long else CI_EXAMPLES))
     return settings(
-        max_examples=n,
+        max_examples=base if world_size == 2 else max(1, base // 2),
         deadline=None,
-        derandomize=os.environ.get("FUZZ_RANDOM") is None,  # CI: the same examples each run
+        derandomize=not long,  # CI: the same examples every run; --long: new ones each time
+        database=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
         print_blob=True,
     )
@@ -34,8 +37,12 @@ def _settings(world_size: int) -> settings:
 
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("front_end", ["fully_shard", "fsdp1"])
-def test_trains_like_ddp_or_raises(front_end: str, world_size: int) -> None:
-    @_settings(world_size)
+def test_trains_like_ddp_or_raises(
+    front_end: str, world_size: int, request: pytest.FixtureRequest
+) -> None:
+    long = bool(request.config.getoption("--long"))
+
+    @_settings(world_size, long)
     @given(examples(front_end, world_size))
     def run(example: Example) -> None:
         check_example(example, note)
