@@ -12,7 +12,8 @@ A tied parameter's optimizer state is named as torch names it, by the first name
 ``named_parameters()`` yields (``emb.weight``); ckpt named it by its last one
 (``head.weight``) before, and such state dicts and checkpoints still load, under
 every wrapper, as the nested or the flattened form, through ``set_state_dict``,
-FSDP1's ``optim_state_dict_to_load`` and ``ckpt.load``.
+FSDP1's ``optim_state_dict_to_load`` (also after ``rekey_optim_state_dict``) and
+``ckpt.load``.
 """
 
 from __future__ import annotations
@@ -130,6 +131,7 @@ def _load_last_names(
 ) -> None:
     """Load ``saved`` (the model's state dict and old-style optimizer state) by ``how``."""
     from fsdp import FullyShardedDataParallel as FSDP  # noqa: N817
+    from fsdp.api import OptimStateKeyType
 
     # Copies: a loaded optimizer may keep the given tensors (torch's does), and torch's
     # set_model_state_dict drops a tied parameter's other keys from the dict it gets.
@@ -145,9 +147,18 @@ def _load_last_names(
     elif how == "ckpt.load":
         ckpt.load({"model": model, "optim": optim}, saved["path"], verify=False)
     else:
-        assert how == "optim_state_dict_to_load", how
+        named = saved["optim"]
+        if how == "rekey":  # to ids and back: to ours
+            by_id = FSDP.rekey_optim_state_dict(
+                named, OptimStateKeyType.PARAM_ID, model, optim=optim
+            )
+            named = FSDP.rekey_optim_state_dict(
+                by_id, OptimStateKeyType.PARAM_NAME, model, optim=optim
+            )
+        else:
+            assert how == "optim_state_dict_to_load", how
         ckpt.set_model_state_dict(model, msd)
-        optim.load_state_dict(FSDP.optim_state_dict_to_load(model, optim, saved["optim"]))
+        optim.load_state_dict(FSDP.optim_state_dict_to_load(model, optim, named))
 
 
 _TIED_KINDS = (
@@ -182,7 +193,7 @@ def _rank_last_names(root: str) -> dict[str, bool]:
         dcp.save({"model": msd, "optim": saved["optim"]}, checkpoint_id=saved["path"])
         hows = ["nested", "flattened", "ckpt.load"]
         if kind.startswith(("fsdp", "across")):
-            hows.append("optim_state_dict_to_load")
+            hows += ["optim_state_dict_to_load", "rekey"]
         # Loaded before the model trains on: the state dicts hold its live tensors.
         resumed = {how: _tied(kind, 9) for how in hows}
         for how, (fresh, fresh_optim) in resumed.items():

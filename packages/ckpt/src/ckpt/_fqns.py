@@ -1,7 +1,21 @@
 """A model's parameter names in torch's state-dict form (FQNs): without the prefixes of
 wrappers around the whole model, grouped as an optimizer groups them, and a tied
 parameter's other names. Shared by the state-dict front ends ([Note: state-dict front
-ends]) and ckpt's adapters."""
+ends]) and ckpt's adapters.
+
+[Note: a tied parameter's name]
+A parameter reachable under several names (an embedding tied to the LM head) has one
+optimizer state. torch's state-dict API keys it by the first name the model's
+``named_parameters()`` yields (``transformer.wte.weight``), and so do we: the names
+come from ``_zero_state.param_names`` (``fully_shard``, DDP + zero_optim, plain
+models) and ``fsdp.units`` (FSDP1, whose ``UnitParam.fqn`` is that name). Before issue
+33 ours keyed it by the last one (``lm_head.weight``) for ``fully_shard``, DDP +
+zero_optim and an FSDP1 tie across units, so neither side loaded the other's
+checkpoint. Every load takes either name: the state-dict API and FSDP1's and ZeRO's
+loaders through :func:`tied_names` and ``_optim_dict_forms.rename_tied``,
+``ckpt.load`` by :func:`adopt_saved_names` on its template. A model state dict holds
+a tied parameter under all its names, as torch's does.
+"""
 
 from __future__ import annotations
 
@@ -74,7 +88,7 @@ def only_submodules(
 
 def tied_names(model: nn.Module, prefix: str = "") -> dict[str, str]:
     """Each other name of a tied parameter -> the name torch gives it, the first that
-    ``named_parameters()`` yields ([Note: a tied parameter's name]); names unwrapped,
+    ``named_parameters()`` yields (see [Note: a tied parameter's name]); names unwrapped,
     ``prefix`` removed. Empty for a model without ties (the usual case). No collective.
 
     A FlatParameter unit's ties come from ``fsdp.units`` (its original parameters are

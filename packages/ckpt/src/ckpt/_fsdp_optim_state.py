@@ -665,6 +665,9 @@ def rekey_optim_state_dict(
     want_names = optim_state_key_type is OptimStateKeyType.PARAM_NAME
     if not keys or isinstance(keys[0], str) == want_names:
         return optim_state_dict
+    if not want_names:  # names to ids: a tied parameter's by any of its names
+        renames = tied_names(model)
+        optim_state_dict = dict(rename_tied(optim_state_dict, renames, "rekey_optim_state_dict"))
     params = [p for ps in _optim_params(optim) for p in ps] if optim else list(model.parameters())
     slots = _slots(model)
     # One id per original parameter, in the order the optimizer's parameters hold them: a

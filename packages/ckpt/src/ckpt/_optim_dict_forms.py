@@ -115,20 +115,8 @@ def rename_tied(
     state_dict: Mapping[str, Any], renames: Mapping[str, str], what: str
 ) -> Mapping[str, Any]:
     """``state_dict`` (either form) with every tied parameter's other names (``renames``'
-    keys) replaced by the one we give it (their values); not modified, returned as is
-    when there is nothing to rename.
-
-    [Note: a tied parameter's name]
-    A parameter reachable under several names (an embedding tied to the LM head) has
-    one optimizer state. torch's state-dict API keys it by the first name the model's
-    ``named_parameters()`` yields (``transformer.wte.weight``), and so do we (names
-    come from ``ckpt._zero_state.param_names`` and ``fsdp.units``). Before issue 33
-    ours keyed it by the last one (``lm_head.weight``) for ``fully_shard``, DDP +
-    zero_optim and an FSDP1 tie across units, so neither side loaded the other's
-    checkpoint. Every load takes either name, through this function (and
-    ``_fqns.adopt_saved_names`` for ``ckpt.load``'s template), so those checkpoints
-    still load. A model state dict holds a tied parameter under all its names, as
-    torch's does.
+    keys) replaced by the one we give it (their values), see [Note: a tied parameter's
+    name] in ``_fqns.py``; not modified, returned as is when there is nothing to rename.
     """
     if not renames or not state_dict:
         return state_dict

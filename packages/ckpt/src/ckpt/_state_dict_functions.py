@@ -305,7 +305,8 @@ def _load_optims(
 
     def nest() -> bool:
         """The flattened form nested (the optimizers' groups say how), a tied parameter
-        under our name ([Note: a tied parameter's name]); whether it was flattened."""
+        under our name ([Note: a tied parameter's name] in ``_fqns.py``); whether it was
+        flattened."""
         nonlocal state_dict
         state_dict = dict(rename_tied(state_dict, renames, what))
         if flattened:

@@ -45,7 +45,7 @@ def _prefix(model: nn.Module) -> str:
 def param_names(model: nn.Module) -> dict[int, str]:
     """id(parameter) -> its FQN without wrapper prefixes (DDP's ``module.``, FSDP's); a
     tied parameter's is the first of its names, as torch's ([Note: a tied parameter's
-    name] in ``_optim_dict_forms.py``)."""
+    name] in ``_fqns.py``)."""
     prefix = _prefix(model)
     names: dict[int, str] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
