@@ -21,13 +21,23 @@ WRAPPERS = ("fsdp", "fsdp-orig", "ddp-zero", "ddp", "fully_shard")
 LR = 1e-2
 
 
-def wrap(kind: str, seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """A model (same initial weights for a seed) and its optimizer under ``kind``."""
+def tied_net(seed: int = 0) -> nn.Module:
+    """``make_net`` with GPT2's tie: the output head's weight is the embedding's, so
+    ``named_parameters()`` yields it as ``emb.weight`` and the state dict holds it under
+    ``emb.weight`` and ``head.weight``."""
+    net = make_net(seed)
+    net.head.weight = net.emb.weight
+    return net
+
+
+def wrap(kind: str, seed: int = 0, tied: bool = False) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A model (same initial weights for a seed; ``tied``: :func:`tied_net`) and its
+    optimizer under ``kind``."""
     from fsdp import FullyShardedDataParallel as FSDP  # noqa: N817
     from fsdp.wrap import ModuleWrapPolicy
     from zero_optim import ZeroRedundancyOptimizer
 
-    net = make_net(seed)
+    net = tied_net(seed) if tied else make_net(seed)
     if kind == "fully_shard":
         from fsdp import fully_shard
 

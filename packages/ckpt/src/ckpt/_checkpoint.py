@@ -59,6 +59,7 @@ from ckpt._fit import (
     saved_dtypes,
     saved_shapes,
 )
+from ckpt._fqns import adopt_saved_names
 from ckpt._manifest import (
     Checksum,
     FileRecord,
@@ -618,6 +619,7 @@ def load(
         reader = SafeFileSystemReader(source)
         try:
             metadata = reader.read_metadata()
+            adopt_saved_names(state_dict, state, ctx.module_for, metadata.state_dict_metadata)
             dtypes = (local_dtypes(state_dict), saved_dtypes(metadata))
             fit: RankFit | CheckpointError = fit_rank(
                 local_shapes(state_dict), saved_shapes(metadata), list(state), dtypes

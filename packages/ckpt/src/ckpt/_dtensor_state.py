@@ -25,9 +25,9 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.modules.module import _IncompatibleKeys
 
 from ckpt._comm import Comm, on_device
-from ckpt._fqns import group_names, only_submodules, root_prefix
+from ckpt._fqns import group_names, only_submodules, root_prefix, tied_names
 from ckpt._fsdp_optim_state import init_optim_state
-from ckpt._optim_dict_forms import GroupNames
+from ckpt._optim_dict_forms import GroupNames, rename_tied
 from ckpt._zero_state import names_by_group, param_names
 
 __all__ = ["DTensorModels", "has_dtensor_params"]
@@ -165,6 +165,9 @@ class DTensorModels:
     ) -> None:
 
         prefix = root_prefix(model)
+        state_dict = dict(
+            rename_tied(state_dict, tied_names(model, prefix), "set_optimizer_state_dict")
+        )
         params = {n.removeprefix(prefix): p for p, n in _named(model).items()}
         by_id = {id(p): i for i, p in enumerate(p for g in optim.param_groups for p in g["params"])}
         state: dict[int, Any] = {}

@@ -1,9 +1,25 @@
 """A model's parameter names in torch's state-dict form (FQNs): without the prefixes of
-wrappers around the whole model, grouped as an optimizer groups them. Shared by the
-state-dict front ends ([Note: state-dict front ends])."""
+wrappers around the whole model, grouped as an optimizer groups them, and a tied
+parameter's other names. Shared by the state-dict front ends ([Note: state-dict front
+ends]) and ckpt's adapters.
+
+[Note: a tied parameter's name]
+A parameter reachable under several names (an embedding tied to the LM head) has one
+optimizer state. torch's state-dict API keys it by the first name the model's
+``named_parameters()`` yields (``transformer.wte.weight``), and so do we: the names
+come from ``_zero_state.param_names`` (``fully_shard``, DDP + zero_optim, plain
+models) and ``fsdp.units`` (FSDP1, whose ``UnitParam.fqn`` is that name). Before issue
+33 ours keyed it by the last one (``lm_head.weight``) for ``fully_shard``, DDP +
+zero_optim and an FSDP1 tie across units, so neither side loaded the other's
+checkpoint. Every load takes either name: the state-dict API and FSDP1's and ZeRO's
+loaders through :func:`tied_names` and ``_optim_dict_forms.rename_tied``,
+``ckpt.load`` by :func:`adopt_saved_names` on its template. A model state dict holds
+a tied parameter under all its names, as torch's does.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import torch
@@ -12,8 +28,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from ckpt._optim_dict_forms import GroupNames
 from fsdp import unwrapped_name
+from fsdp.units import flat_units
 
-__all__ = ["group_names", "only_submodules", "root_prefix"]
+__all__ = ["adopt_saved_names", "group_names", "only_submodules", "root_prefix", "tied_names"]
 
 
 def root_prefix(model: nn.Module) -> str:
@@ -67,3 +84,66 @@ def only_submodules(
             if key.startswith(p):
                 out[key if options.keep_submodule_prefixes else key[len(p) :]] = value
     return out
+
+
+def tied_names(model: nn.Module, prefix: str = "") -> dict[str, str]:
+    """Each other name of a tied parameter -> the name torch gives it, the first that
+    ``named_parameters()`` yields (see [Note: a tied parameter's name]); names unwrapped,
+    ``prefix`` removed. Empty for a model without ties (the usual case). No collective.
+
+    A FlatParameter unit's ties come from ``fsdp.units`` (its original parameters are
+    no parameters of the model under ``use_orig_params=False``); every other from
+    ``named_parameters(remove_duplicate=False)``, which yields each name of a tied
+    parameter.
+    """
+    out: dict[str, str] = {}
+    first: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        fqn = unwrapped_name(name).removeprefix(prefix)
+        if first.setdefault(id(p), fqn) != fqn:
+            out[fqn] = first[id(p)]
+    for unit in flat_units(model):
+        for e in unit.params:
+            for alias in e.aliases:
+                out[alias.removeprefix(prefix)] = e.fqn.removeprefix(prefix)
+    return out
+
+
+def adopt_saved_names(
+    state_dict: dict[str, Any],
+    state: Mapping[str, Any],
+    model_of: Callable[[torch.optim.Optimizer], nn.Module],
+    saved: Collection[str],
+) -> None:
+    """Rename, in ``ckpt.load``'s template ``state_dict`` (``state``'s entries as DCP
+    state dicts), a tied parameter's optimizer state to the name the checkpoint uses
+    where that is another of its names (a checkpoint keyed by the last name, see
+    [Note: a tied parameter's name]), so DCP reads it; the optimizer's load takes
+    either name. ``model_of``: the model an optimizer in ``state`` steps; ``saved``:
+    the checkpoint's DCP keys. No collective; every rank renames alike (the same
+    checkpoint, the same model).
+    """
+    for entry, obj in state.items():
+        template = state_dict.get(entry)
+        if not isinstance(obj, torch.optim.Optimizer) or not isinstance(template, dict):
+            continue
+        named = template.get("state")
+        if not isinstance(named, dict):
+            continue
+        try:
+            model = model_of(obj)
+        except ValueError:
+            continue  # no model beside it: its adapter has said so already
+        # The adapters' names drop the wrappers around the whole model, or keep them.
+        renames = {**tied_names(model), **tied_names(model, root_prefix(model))}
+        if not renames:
+            continue
+        head = f"{entry}.state."
+        ours = {name: [a for a, n in renames.items() if n == name] for name in named}
+        for name, aliases in ours.items():
+            if not aliases or any(k.startswith(f"{head}{name}.") for k in saved):
+                continue
+            for alias in aliases:
+                if any(k.startswith(f"{head}{alias}.") for k in saved):
+                    named[alias] = named.pop(name)
+                    break

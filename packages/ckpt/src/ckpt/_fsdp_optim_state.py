@@ -45,8 +45,10 @@ from torch.distributed.tensor import DTensor
 
 from ckpt._chunks import chunk_dtensor, full_value, is_chunked_like_ours, to_dtensor
 from ckpt._comm import device_of, on_device
+from ckpt._fqns import tied_names
 from ckpt._fsdp_runs import shard_from_runs, unit_runs, unit_template
 from ckpt._loadable import LoadableState
+from ckpt._optim_dict_forms import rename_tied
 from ckpt._orig_optim_state import (
     load_orig_param_state,
     orig_param_runs,
@@ -414,6 +416,7 @@ def load_fsdp_optim_state_dict(
             "by parameter names (from optim_state_dict); got "
             f"{sorted(named) if isinstance(named, Mapping) else type(named).__name__}"
         )
+    named = rename_tied(named, tied_names(model), what)
     # ShardedTensor and tensor-like values convert per parameter as the loop reaches them.
     named = {**named, "state": LoadableState(named["state"])}
     slots = _slots(model)
@@ -662,6 +665,9 @@ def rekey_optim_state_dict(
     want_names = optim_state_key_type is OptimStateKeyType.PARAM_NAME
     if not keys or isinstance(keys[0], str) == want_names:
         return optim_state_dict
+    if not want_names:  # names to ids: a tied parameter's by any of its names
+        renames = tied_names(model)
+        optim_state_dict = dict(rename_tied(optim_state_dict, renames, "rekey_optim_state_dict"))
     params = [p for ps in _optim_params(optim) for p in ps] if optim else list(model.parameters())
     slots = _slots(model)
     # One id per original parameter, in the order the optimizer's parameters hold them: a

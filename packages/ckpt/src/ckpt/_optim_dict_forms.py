@@ -14,7 +14,8 @@ or, with ``flatten_optimizer_state_dict=True``, the same as one level of dotted 
 (every parameter repeats its group's hyperparameters, so the dict no longer depends
 on how parameters are grouped; nested state dicts flatten level by level). This
 module converts between these: :func:`merge` several optimizers' dicts into one,
-:func:`split` out what one optimizer holds, :func:`flatten` and :func:`unflatten`.
+:func:`split` out what one optimizer holds, :func:`flatten` and :func:`unflatten`,
+and :func:`rename_tied` puts a tied parameter's state under the name we give it.
 Nothing here communicates or knows a wrapper; the names come from the front ends
 (``_state_dict_front_ends.py``).
 """
@@ -28,7 +29,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["GroupNames", "flatten", "is_flattened", "merge", "split", "unflatten"]
+__all__ = [
+    "GroupNames",
+    "flatten",
+    "is_flattened",
+    "merge",
+    "rename_tied",
+    "split",
+    "unflatten",
+]
 
 _STATE = "state"
 _GROUPS = "param_groups"
@@ -100,6 +109,56 @@ def _owner(rest: str, names: set[str]) -> tuple[str, str] | None:
         if rest[:cut] in names:
             return rest[:cut], rest[cut + 1 :]
     return None
+
+
+def rename_tied(
+    state_dict: Mapping[str, Any], renames: Mapping[str, str], what: str
+) -> Mapping[str, Any]:
+    """``state_dict`` (either form) with every tied parameter's other names (``renames``'
+    keys) replaced by the one we give it (their values), see [Note: a tied parameter's
+    name] in ``_fqns.py``; not modified, returned as is when there is nothing to rename.
+    """
+    if not renames or not state_dict:
+        return state_dict
+    if is_flattened(state_dict):
+        out: dict[str, Any] = {}
+        aliases = set(renames)
+        for key, value in state_dict.items():
+            head, _, rest = key.partition(".")
+            found, ours = _owner(rest, aliases), key
+            if found is not None:
+                alias, name = found[0], renames[found[0]]
+                ours = f"{head}.{name}.{found[1]}"
+                if ours in state_dict:
+                    raise ValueError(_both(what, alias, name))
+            out[ours] = value
+        return out
+    out = dict(state_dict)
+    state = state_dict.get(_STATE)
+    if isinstance(state, Mapping) and any(alias in state for alias in renames):
+        out[_STATE] = dict(state)
+        for alias, name in renames.items():
+            if alias in state:
+                if name in state:
+                    raise ValueError(_both(what, alias, name))
+                out[_STATE][name] = out[_STATE].pop(alias)
+    groups = state_dict.get(_GROUPS)
+    if isinstance(groups, list):
+        out[_GROUPS] = [
+            {**group, _PARAMS: [renames.get(n, n) for n in group[_PARAMS]]}
+            if isinstance(group, Mapping) and isinstance(group.get(_PARAMS), list)
+            else group
+            for group in groups
+        ]
+    return out
+
+
+def _both(what: str, alias: str, name: str) -> str:
+    return (
+        f"{what}: the optimizer state dict holds state under both {name!r} and {alias!r}, "
+        "which name one tied parameter; keep one of them (torch's name is the first "
+        "that model.named_parameters() yields)"
+    )
 
 
 def _nest(entries: Mapping[str, Any]) -> dict[str, Any]:

@@ -51,7 +51,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.nn.modules.module import _IncompatibleKeys
 
 from ckpt._comm import Comm, on_device
-from ckpt._optim_dict_forms import flatten, is_flattened, merge, split, unflatten
+from ckpt._fqns import root_prefix, tied_names
+from ckpt._optim_dict_forms import flatten, is_flattened, merge, rename_tied, split, unflatten
 from ckpt._rank0_broadcast import Path, broadcast_from_rank0
 from ckpt._state_dict_front_ends import (
     TORCH,
@@ -300,10 +301,14 @@ def _load_optims(
 ) -> None:
     groups = [f.param_groups(model, o) for f, o in zip(front_ends, optims, strict=True)]
     flattened = bool(state_dict) and is_flattened(state_dict)
+    renames = tied_names(model, root_prefix(model))
 
     def nest() -> bool:
-        """The flattened form nested (the optimizers' groups say how); whether it was."""
+        """The flattened form nested (the optimizers' groups say how), a tied parameter
+        under our name ([Note: a tied parameter's name] in ``_fqns.py``); whether it was
+        flattened."""
         nonlocal state_dict
+        state_dict = dict(rename_tied(state_dict, renames, what))
         if flattened:
             state_dict = merge([unflatten(state_dict, g, what) for g in groups])
         return flattened

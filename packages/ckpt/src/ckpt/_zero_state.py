@@ -25,6 +25,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ckpt._chunks import full_value
+from ckpt._fqns import tied_names
+from ckpt._optim_dict_forms import rename_tied
 from fsdp import unwrapped_name
 from zero_optim import ZeroRedundancyOptimizer
 
@@ -36,13 +38,19 @@ __all__ = [
 ]
 
 
+def _prefix(model: nn.Module) -> str:
+    return "module." if isinstance(model, nn.parallel.DistributedDataParallel) else ""
+
+
 def param_names(model: nn.Module) -> dict[int, str]:
-    """id(parameter) -> its FQN without wrapper prefixes (DDP's ``module.``, FSDP's)."""
-    prefix = "module." if isinstance(model, nn.parallel.DistributedDataParallel) else ""
-    return {
-        id(p): unwrapped_name(name).removeprefix(prefix)
-        for name, p in model.named_parameters(remove_duplicate=False)
-    }
+    """id(parameter) -> its FQN without wrapper prefixes (DDP's ``module.``, FSDP's); a
+    tied parameter's is the first of its names, as torch's ([Note: a tied parameter's
+    name] in ``_fqns.py``)."""
+    prefix = _prefix(model)
+    names: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), unwrapped_name(name).removeprefix(prefix))
+    return names
 
 
 def names_by_group(model: nn.Module, zero: torch.optim.Optimizer) -> list[list[str]]:
@@ -149,6 +157,7 @@ def load_zero_optim_state_dict(
             "expected an optimizer state dict with 'state' and 'param_groups' keyed by "
             "parameter names"
         )
+    named = rename_tied(named, tied_names(model, _prefix(model)), "load_zero_optim_state_dict")
     names = names_by_group(model, zero)
     saved_groups = named["param_groups"]
     if len(saved_groups) != len(names):

@@ -32,7 +32,9 @@ to ``layout.padded_numel`` and split into ``layout.world_size`` equal chunks of
 (``layout.bounds(r)``), and ``layout.pieces(r)`` lists the parameter slices in
 it. An unsharded flat tensor (``NO_SHARD``, or one rank) has a layout over one
 chunk, held whole by every rank. A parameter tied to another one in the same
-unit is stored once, under its first name; its other names are ``aliases``.
+unit is stored once, under its first name, the one the unwrapped model's
+``named_parameters()`` yields (torch's state dicts name its optimizer state so);
+its other names are ``aliases``.
 
 [Note: state-dict hand-over]
 Under the default (``FULL_STATE_DICT`` without ``rank0_only`` or ``offload_to_cpu``)
@@ -153,19 +155,38 @@ def _join(module_name: str, name: str) -> str:
     return clean_fqn(f"{module_name}.{name}" if module_name else name)
 
 
-def _params_of(unit: FlatParamUnit, prefix: str) -> tuple[UnitParam, ...]:
+def _module_order(module: nn.Module) -> dict[str, int]:
+    """Unwrapped module path below ``module`` -> its place in ``named_modules()`` pre-order."""
+    order: dict[str, int] = {}
+    for path, _ in module.named_modules(remove_duplicate=False):
+        order.setdefault(clean_fqn(path + ".").rstrip(".") if path else "", len(order))
+    return order
+
+
+def _params_of(unit: FlatParamUnit, prefix: str, module: nn.Module) -> tuple[UnitParam, ...]:
+    """The unit's parameters (``module``: the instance's); a tied one under torch's name
+    for it (see [Note: flat units])."""
     flat: FlatParameter = unit.flat_param
-    aliases: dict[tuple[int, str], list[str]] = {}
+    order = _module_order(module) if flat._shared_param_infos else {}
+    uses: dict[tuple[int, str], list[tuple[str, str]]] = {}
     for shared in flat._shared_param_infos:
         key = (id(shared.prim_module), shared.prim_param_name)
-        aliases.setdefault(key, []).append(prefix + _join(shared.module_name, shared.param_name))
+        uses.setdefault(key, []).append((shared.module_name, shared.param_name))
     out: list[UnitParam] = []
     for index, info in enumerate(flat._param_infos):
         start, end = unit.layout.param_bounds(index)
+        names = [(info.module_name, info.param_name)]
+        names += uses.get((id(info.module), info.param_name), [])
+        # The flat parameter records a tied parameter under the use it met first, which
+        # for a tie across units is the owner's own (the LM head before the embedding
+        # that a nested unit holds). A stable sort on the module's place puts first the
+        # use that ``named_parameters()`` yields, the name torch's state dicts give it.
+        names.sort(key=lambda use: order.get(clean_fqn(use[0] + ".").rstrip("."), len(order)))
+        fqn, *aliases = [prefix + _join(m, n) for m, n in names]
         out.append(
             UnitParam(
-                fqn=prefix + _join(info.module_name, info.param_name),
-                aliases=tuple(aliases.get((id(info.module), info.param_name), ())),
+                fqn=fqn,
+                aliases=tuple(aliases),
                 shape=flat._param_shapes[index],
                 start=start,
                 end=end,
@@ -202,7 +223,7 @@ def instance_flat_units(instance: nn.Module, prefix: str = "") -> list[FlatUnit]
             FlatUnit(
                 prefix=prefix,
                 key=prefix + key,
-                params=_params_of(part, prefix),
+                params=_params_of(part, prefix, state.module),
                 layout=part.layout,
                 sharding=UnitSharding(
                     group=cfg.group,
