@@ -477,6 +477,12 @@ def wait_pending() -> CheckpointInfo | None:
         return None
     try:
         return pending.wait()
+    except CheckpointError as e:  # already named: keep its class for the caller's except
+        e.add_note(
+            f"(raised by the previous asynchronous save to {pending.path}, at the next "
+            "save, load or wait)"
+        )
+        raise
     except Exception as e:
         raise CheckpointError(
             f"the previous asynchronous save to {pending.path} failed: {e}"
