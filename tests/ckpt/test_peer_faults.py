@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 import ckpt
+from ckpt import _layout
 from ckpt._safe_pickle import SafeFileSystemReader
 from ckpt._writer import CheckpointWriter
 from tests.fsdp._common import Block, make_net
@@ -149,3 +150,40 @@ def test_peer_fault_is_named_and_the_previous_checkpoint_stays(
     expected = make_net(0).state_dict()
     for name, value in fresh.state_dict().items():
         assert torch.equal(value, expected[name]), name
+
+
+def _rank_coordinator_dies_in_commit(root: str, result_file: str) -> None:
+    group = dist.new_group(timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
+    model = _build("fsdp", group)
+    manager = ckpt.CheckpointManager(root, keep_last=1, process_group=group)
+    manager.save(1, {"model": model})
+    if dist.get_rank() == 0:
+        _layout.commit = lambda *a: _fault("kill")  # type: ignore[assignment]
+    try:
+        manager.save(2, {"model": model})
+    except ckpt.CheckpointError as e:
+        found = {"type": type(e).__name__, "message": str(e), "step": getattr(e, "step", None)}
+        found["missing"] = list(getattr(e, "missing_ranks", ()))
+        Path(result_file).write_text(json.dumps(found))
+
+
+def test_coordinator_killed_in_commit(tmp_path: Path) -> None:
+    """Rank 1 waits for rank 0's commit, which never comes: named as the commit step;
+    the dead save's lease and partial directory go at the next save."""
+    root, result = tmp_path / "run", tmp_path / "rank1.json"
+    with pytest.raises(RankFailure) as info:
+        run_ranks(
+            _rank_coordinator_dies_in_commit, 2, str(root), str(result), timeout=HARNESS_TIMEOUT_S
+        )
+    assert set(info.value.failures) == {0}, info.value
+    found = json.loads(result.read_text())
+    message = found["message"]
+    assert found["type"] == "CheckpointCollectiveError", message
+    assert found["step"] == "commit" and found["missing"] == [0], message
+    assert "failed during save (the commit): rank 0 died" in message, message
+    assert "rank 0 removes the partial directory (or the next save does)" in message
+    manager = ckpt.CheckpointManager(root, keep_last=1)
+    assert manager.steps() == [1] and len(manager.partial()) == 1
+    with pytest.warns(UserWarning, match="recovered the lease"):
+        manager.save(2, {"model": make_net(0)})
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000002"]

@@ -72,7 +72,7 @@ class NotACheckpointError(CheckpointError):
 class PartialCheckpointError(NotACheckpointError):
     """The path was never committed, but an interrupted save left its files beside it.
 
-    A save that was killed before its commit leaves a ``.<name>.partial`` directory;
+    A save that was killed before its commit leaves a ``.<name>.<token>.partial`` directory;
     it is never loaded (it may lack files), and the next save to the same path or a
     :class:`~ckpt.CheckpointManager` save removes it.
     """
