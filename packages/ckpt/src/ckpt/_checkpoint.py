@@ -177,7 +177,7 @@ class _SaveTransaction:
     def _take_lease(self, overwrite: bool) -> tuple[list[Path], str, _layout.Occupant]:
         """Rank 0: the lease, then the path's checks and the partial directory."""
         _layout.make_parent(self.path)
-        token = _layout.new_token()
+        token = self.token = _layout.new_token()  # here too, for _abandon on rank 0
         self.lease, recovered = acquire(self.path, token)
         try:
             for owner in recovered:
@@ -477,11 +477,7 @@ def wait_pending() -> CheckpointInfo | None:
         return None
     try:
         return pending.wait()
-    except CheckpointError as e:  # already named: keep its class for the caller's except
-        e.add_note(
-            f"(raised by the previous asynchronous save to {pending.path}, at the next "
-            "save, load or wait)"
-        )
+    except CheckpointError:  # names its save ("async save") and path: keep its class
         raise
     except Exception as e:
         raise CheckpointError(

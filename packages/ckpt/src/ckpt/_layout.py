@@ -117,7 +117,14 @@ def leftovers_of(path: Path, *kinds: str) -> list[Path]:
         parsed = leftover_target(p)
         if parsed is not None and parsed[0] == path.name and (not kinds or parsed[1] in kinds):
             found.append(p)
-    return sorted(found, key=lambda p: p.stat().st_mtime if p.exists() else 0.0)
+    return sorted(found, key=_mtime)
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0  # removed meanwhile
 
 
 def fsync_dir(path: Path) -> None:
