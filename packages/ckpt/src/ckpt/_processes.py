@@ -23,13 +23,28 @@ State = Literal["running", "stopped", "gone", "unknown"]
 
 def _stat_fields(pid: int) -> list[str] | None:
     """``/proc/<pid>/stat`` split after the command name (which may hold spaces), so
-    index 0 is the state letter (field 3) and index 19 the start time (field 22)."""
+    index 0 is the state letter (field 3), index 6 the flags (field 9) and index 19
+    the start time (field 22)."""
     try:
         with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
             text = f.read()
     except OSError:
         return None
     return text[text.rfind(")") + 2 :].split()
+
+
+# The kernel's PF_EXITING task flag: set when a process starts to exit (killed,
+# or returning), before it closes its files and sockets and becomes a zombie. A peer
+# whose connection just closed is found exiting, not yet a zombie.
+_PF_EXITING = 0x4
+
+
+def _exiting(fields: list[str]) -> bool:
+    """Whether the flags (field 9, index 6 after the name) say the process exits."""
+    try:
+        return bool(int(fields[6]) & _PF_EXITING)
+    except (IndexError, ValueError):
+        return False
 
 
 @dataclass(frozen=True)
@@ -71,7 +86,7 @@ def state(process: ProcessId) -> State:
     if process.started and len(fields) > 19 and fields[19] != process.started:
         return "gone"  # the pid was reused
     letter = fields[0] if fields else ""
-    if letter in ("Z", "X", "x"):
+    if letter in ("Z", "X", "x") or _exiting(fields):
         return "gone"
     if letter in ("T", "t"):
         return "stopped"
