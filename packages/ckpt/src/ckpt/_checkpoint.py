@@ -1,7 +1,8 @@
 """``save``, ``async_save``, ``load`` and ``verify``: DCP underneath, committed atomically.
 
 A save is a :class:`_SaveTransaction` through the states of :class:`SaveState`:
-rank 0 checks the path and creates the partial directory (``prepare``), every rank
+rank 0 takes the target's lease, checks the path and creates the save's own partial
+directory (``prepare``; [Note: one writer per checkpoint] in ``_lease.py``), every rank
 writes its shards there with DCP, hashing the bytes as they are written, and rank 0,
 in DCP's last step, writes the manifest and renames the directory into place
 (``write``). See [Note: atomic commit] in ``_layout.py``, [Note: integrity] in
@@ -17,7 +18,9 @@ A load reads the manifest (and checks its HMAC when given a key), has every rank
 a balanced share of the files, checks the keys and shapes against the state on every
 rank, and only then lets DCP read, through a reader and planner that never run code
 from the checkpoint ([Note: no code from a checkpoint] in ``_safe_pickle.py``).
-Every decision is shared before anyone acts ([Note: one decision, every rank]).
+Every decision is shared before anyone acts ([Note: one decision, every rank]). A
+peer that dies or hangs inside is named ([Note: naming a fault inside a checkpoint] in
+``_peer_faults.py``).
 """
 
 from __future__ import annotations
@@ -124,7 +127,8 @@ class SaveState(enum.Enum):
     COMMITTED = "committed"
     """The manifest is written and the directory renamed into place."""
     FAILED = "failed"
-    """A step raised; the partial directory (if any) is left for the next save to remove."""
+    """A step raised; rank 0 removed the partial directory and gave up the lease where it
+    could (a rank 0 that died leaves both to the next save)."""
 
 
 class _SaveTransaction:

@@ -107,7 +107,8 @@ class CheckpointManager:
         return steps[-1] if steps else None
 
     def partial(self) -> list[Path]:
-        """Directories left by interrupted saves, overwrites or prunes (never loaded)."""
+        """Directories left by interrupted saves, overwrites or prunes, or written by
+        another writer's running save (never loaded)."""
         return _layout.leftovers(self.root)
 
     def _prune(self, saved: Path) -> None:
