@@ -8,6 +8,7 @@ its own process), or after the manifest is written, just before the commit renam
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -75,9 +76,11 @@ def test_killed_save_leaves_previous_checkpoint_loadable(tmp_path: Path) -> None
     expected = params(make_model(0))
     for where in ("write", "commit"):
         manager = ckpt.CheckpointManager(tmp_path / where, keep_last=1)
-        partial = tmp_path / where / ".step_00000002.partial"
         assert manager.steps() == [1]
-        assert manager.partial() == [partial]
+        [partial] = manager.partial()
+        assert re.fullmatch(r"\.step_00000002\.[0-9a-f]{16}\.partial", partial.name)
+        # The killed save's lease is left too; the next save recovers it.
+        assert (tmp_path / where / ".step_00000002.lease").is_file()
         # Killed after the manifest: the files are complete, yet never committed.
         assert (partial / ckpt.MANIFEST_NAME).exists() == (where == "commit")
         with pytest.raises(ckpt.PartialCheckpointError) as info:
@@ -85,7 +88,7 @@ def test_killed_save_leaves_previous_checkpoint_loadable(tmp_path: Path) -> None
         assert info.value.partial == partial
 
         fresh = make_model(3)
-        with pytest.warns(UserWarning, match="step_00000002.partial"):
+        with pytest.warns(UserWarning, match=re.escape(partial.name)):
             assert manager.load_latest({"model": fresh}) == 1
         assert_same(params(fresh), expected)
         ckpt.verify(manager.path(1))
@@ -93,6 +96,9 @@ def test_killed_save_leaves_previous_checkpoint_loadable(tmp_path: Path) -> None
         # The next save cleans up and prunes step 1 only once step 2 is committed.
         with torch.no_grad():
             linear(fresh, 0).weight.add_(1.0)
-        with pytest.warns(UserWarning, match="step_00000002.partial"):
+        with pytest.warns(UserWarning) as warned:
             manager.save(2, {"model": fresh})
+        said = "\n".join(str(w.message) for w in warned)
+        assert partial.name in said and "recovered the lease" in said, said
         assert manager.steps() == [2] and manager.partial() == []
+        assert sorted(p.name for p in (tmp_path / where).iterdir()) == ["step_00000002"]

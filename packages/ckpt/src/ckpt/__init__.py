@@ -25,8 +25,10 @@ from ckpt._checkpoint import (
     wait_pending,
 )
 from ckpt._errors import (
+    CheckpointCollectiveError,
     CheckpointError,
     CheckpointExistsError,
+    CheckpointInUseError,
     CorruptCheckpointError,
     DiskFullError,
     FileProblem,
@@ -73,9 +75,11 @@ from fsdp.api import (
 __all__ = [
     "MANIFEST_NAME",
     "AsyncSave",
+    "CheckpointCollectiveError",
     "CheckpointDisagreementError",
     "CheckpointError",
     "CheckpointExistsError",
+    "CheckpointInUseError",
     "CheckpointInfo",
     "CheckpointManager",
     "Checksum",

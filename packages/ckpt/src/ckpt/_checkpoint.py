@@ -1,7 +1,8 @@
 """``save``, ``async_save``, ``load`` and ``verify``: DCP underneath, committed atomically.
 
 A save is a :class:`_SaveTransaction` through the states of :class:`SaveState`:
-rank 0 checks the path and creates the partial directory (``prepare``), every rank
+rank 0 takes the target's lease, checks the path and creates the save's own partial
+directory (``prepare``; [Note: one writer per checkpoint] in ``_lease.py``), every rank
 writes its shards there with DCP, hashing the bytes as they are written, and rank 0,
 in DCP's last step, writes the manifest and renames the directory into place
 (``write``). See [Note: atomic commit] in ``_layout.py``, [Note: integrity] in
@@ -17,7 +18,9 @@ A load reads the manifest (and checks its HMAC when given a key), has every rank
 a balanced share of the files, checks the keys and shapes against the state on every
 rank, and only then lets DCP read, through a reader and planner that never run code
 from the checkpoint ([Note: no code from a checkpoint] in ``_safe_pickle.py``).
-Every decision is shared before anyone acts ([Note: one decision, every rank]).
+Every decision is shared before anyone acts ([Note: one decision, every rank]). A
+peer that dies or hangs inside is named ([Note: naming a fault inside a checkpoint] in
+``_peer_faults.py``).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -45,6 +48,7 @@ from ckpt._comm import Comm, async_group, device_of, on_device
 from ckpt._disk_space import disk_full, found_disk_full, is_disk_full
 from ckpt._errors import (
     CheckpointError,
+    CheckpointInUseError,
     CorruptCheckpointError,
     DiskFullError,
     FileProblem,
@@ -60,6 +64,7 @@ from ckpt._fit import (
     saved_shapes,
 )
 from ckpt._fqns import adopt_saved_names
+from ckpt._lease import Lease, acquire
 from ckpt._manifest import (
     Checksum,
     FileRecord,
@@ -75,6 +80,7 @@ from ckpt._manifest import (
     verify_files,
     write_manifest,
 )
+from ckpt._peer_faults import named_faults, peers, waited_for_commit
 from ckpt._safe_pickle import (
     SafeFileSystemReader,
     SafeGlobals,
@@ -86,6 +92,8 @@ from ckpt._save_planner import CheckpointSavePlanner
 from ckpt._staging import stage
 from ckpt._state import apply_loaded, to_state_dict
 from ckpt._writer import CheckpointWriter, commit_result
+
+_E = TypeVar("_E", bound=BaseException)
 
 __all__ = [
     "AsyncSave",
@@ -120,7 +128,8 @@ class SaveState(enum.Enum):
     COMMITTED = "committed"
     """The manifest is written and the directory renamed into place."""
     FAILED = "failed"
-    """A step raised; the partial directory (if any) is left for the next save to remove."""
+    """A step raised; rank 0 removed the partial directory and gave up the lease where it
+    could (a rank 0 that died leaves both to the next save)."""
 
 
 class _SaveTransaction:
@@ -128,11 +137,16 @@ class _SaveTransaction:
 
     path: Path  # the final, committed location
     comm: Comm
+    call: str  # "save" or "async save", for messages
     checksum: Checksum
     key: bytes | None  # sign the manifest with it ([Note: keyed manifest])
     saved_by: dict[str, str]  # state entry -> what was saved there, for the manifest
     state: SaveState
     manifest: Manifest | None
+    token: str  # this save's: its partial directory's name ([Note: one writer per checkpoint])
+    expected: _layout.Occupant  # what was committed at path when the save began
+    lease: Lease | None  # rank 0's, from prepare until the commit or the failure
+    step: str  # where DCP is ([Note: naming a fault inside a checkpoint])
 
     def __init__(
         self,
@@ -141,26 +155,62 @@ class _SaveTransaction:
         checksum: Checksum,
         key: bytes | None,
         state: Mapping[str, Any],
+        *,
+        call: str,
     ) -> None:
         self.path = path
         self.comm = comm
+        self.call = call
         self.checksum = checksum
         self.key = key
         self.saved_by = {name: _kind_of(value) for name, value in state.items()}
         self.state = SaveState.NEW
         self.manifest = None
+        self.token = ""
+        self.expected = None
+        self.lease = None
+        self.step = "preparing"
 
     def _expect(self, *states: SaveState) -> None:
         assert self.state in states, f"save to {self.path} is {self.state}, expected {states}"
 
+    @property
+    def partial(self) -> Path:
+        """The directory this save writes into."""
+        return _layout.partial_path(self.path, self.token)
+
+    def _take_lease(self, overwrite: bool) -> tuple[list[Path], str, _layout.Occupant]:
+        """Rank 0: the lease, then the path's checks and the partial directory."""
+        _layout.make_parent(self.path)
+        token = self.token = _layout.new_token()  # here too, for _abandon on rank 0
+        self.lease, recovered = acquire(self.path, token)
+        try:
+            for owner in recovered:
+                warnings.warn(
+                    f"ckpt: recovered the lease on {self.path} of a save that died before "
+                    f"its commit ({owner.describe()})",
+                    stacklevel=5,
+                )
+            removed, expected = _layout.prepare_partial(self.path, overwrite, token)
+        except BaseException:
+            self._release()
+            raise
+        return removed, token, expected
+
+    def _release(self) -> None:
+        if self.lease is not None:
+            self.lease.release()
+            self.lease = None
+
     def prepare(self, overwrite: bool) -> None:
-        """Rank 0 checks the path and creates the partial directory; all ranks agree."""
+        """Rank 0 takes the lease, checks the path and creates the partial directory;
+        every rank learns the save's token (see [Note: one writer per checkpoint])."""
         self._expect(SaveState.NEW)
         try:
-            removed = self.comm.run_on_coordinator(
-                f"prepare a save to {self.path}",
-                lambda: _layout.prepare_partial(self.path, overwrite),
-            )
+            with named_faults(self.call, self.path, self.comm, "preparing", self._abandon):
+                removed, self.token, self.expected = self.comm.run_on_coordinator(
+                    f"prepare a save to {self.path}", lambda: self._take_lease(overwrite)
+                )
         except BaseException:
             self.state = SaveState.FAILED
             raise
@@ -172,6 +222,37 @@ class _SaveTransaction:
             )
         self.state = SaveState.PREPARED
 
+    def _abandon(self) -> str:
+        """After a peer failed: rank 0 removes what this save wrote and gives up the
+        lease, with no collective (the group is broken); says what became of it."""
+        if self.comm.is_coordinator and self.state is SaveState.COMMITTED:
+            self._release()
+            return (
+                f"The checkpoint {self.path} was committed and is whole (the failure came "
+                f"after rank 0's commit)."
+            )
+        if self.comm.is_coordinator:
+            if self.token:
+                shutil.rmtree(self.partial, ignore_errors=True)
+            self._release()
+            return (
+                f"Nothing of this save was committed: {self.path} is as it was (a previous "
+                f"checkpoint there is intact) and the partial directory was removed."
+            )
+        return (
+            f"Nothing of this save was committed unless rank 0 committed it: {self.path} is "
+            f"as it was or whole; rank 0 removes the partial directory (or the next save "
+            f"does)."
+        )
+
+    def _failed_step(self, error: BaseException) -> str:
+        if self.step == "writing" and waited_for_commit(error):
+            return "commit"  # sent its results; waited for rank 0's commit
+        return self.step
+
+    def _on_step(self, step: str) -> None:
+        self.step = step
+
     def write(
         self, state_dict: dict[str, Any], on_commit: Callable[[], None] | None = None
     ) -> CheckpointInfo:
@@ -181,20 +262,26 @@ class _SaveTransaction:
         Every rank returns only after rank 0 committed and ran ``on_commit``.
         """
         self._expect(SaveState.PREPARED)
-        partial = _layout.partial_path(self.path)
+        partial = self.partial
         writer = CheckpointWriter(
-            partial, self.path, self.checksum, lambda records: self._seal(records, on_commit)
+            partial,
+            self.path,
+            self.checksum,
+            lambda records: self._seal(records, on_commit),
+            self._on_step,
         )
+        self.step = "planning"
         try:
             if not self.comm.distributed:
                 _quiet_single_process()
-            metadata = dcp_save(
-                state_dict,
-                storage_writer=writer,
-                planner=CheckpointSavePlanner(),
-                process_group=self.comm.group,
-                no_dist=not self.comm.distributed,
-            )
+            with named_faults(self.call, self.path, self.comm, self._failed_step, self._abandon):
+                metadata = dcp_save(
+                    state_dict,
+                    storage_writer=writer,
+                    planner=CheckpointSavePlanner(),
+                    process_group=self.comm.group,
+                    no_dist=not self.comm.distributed,
+                )
         except (CheckpointException, DiskFullError) as e:
             # DCP shares a failure only after every rank finished its step (and a single
             # process's planning step raises directly), so the partial directory is no
@@ -205,25 +292,32 @@ class _SaveTransaction:
 
             def clean_up() -> DiskFullError | None:
                 shutil.rmtree(partial, ignore_errors=True)
+                self._release()
                 # Rank 0's writer planned the whole save, so its estimate is the one;
                 # measured after the cleanup, so the free bytes are a retry's.
                 return disk_full(self.path, writer.needed) if ran_out else None
 
             # Every rank got the same failure from DCP, so all are here together.
-            full = self.comm.run_on_coordinator(
-                f"clean up the failed save to {self.path}", clean_up
-            )
+            with named_faults(self.call, self.path, self.comm, "writing", self._abandon):
+                full = self.comm.run_on_coordinator(
+                    f"clean up the failed save to {self.path}", clean_up
+                )
             if refused is not None:
                 raise refused from None
             if full is not None:
                 raise full from e
             if isinstance(e, CheckpointException):
+                in_use = _failure_of(e, CheckpointInUseError)
+                if in_use is not None:
+                    raise in_use from None
                 raise _dcp_failure(f"write {self.path}", e) from e
             raise
         except BaseException as e:
             self.state = SaveState.FAILED
-            if not self.comm.distributed and is_disk_full(e):
+            if not self.comm.distributed:  # no one else writes there
                 shutil.rmtree(partial, ignore_errors=True)
+            self._release()  # another save writes into a directory of its own
+            if not self.comm.distributed and is_disk_full(e):
                 raise disk_full(self.path, writer.needed) from e
             raise
         manifest = commit_result(metadata)  # [Note: the commit's result rides back]
@@ -233,9 +327,9 @@ class _SaveTransaction:
 
     def _seal(self, records: list[FileRecord], on_commit: Callable[[], None] | None) -> Manifest:
         """Rank 0, in DCP's finish step (every rank's files are written and synced):
-        the manifest, the rename, then ``on_commit``."""
+        the manifest, the rename, then ``on_commit``; the lease goes last."""
         self.state = SaveState.WRITTEN
-        partial = _layout.partial_path(self.path)
+        partial = self.partial
         present = listed_files(partial)
         hashed = {r.name for r in records}
         # Anything no stream wrote (not written through DCP) is hashed here so the
@@ -255,15 +349,26 @@ class _SaveTransaction:
                 raise
             shutil.rmtree(partial, ignore_errors=True)  # [Note: naming a full disk]
             raise disk_full(self.path, None) from e
-        _layout.commit(self.path)
+        _layout.commit(self.path, self.token, self.expected)
         self.state = SaveState.COMMITTED
         self.manifest = manifest
-        if on_commit is not None:  # before DCP's broadcast: ranks see it done
-            try:
-                on_commit()
-            except Exception as e:  # never turn a committed save into an error
-                warnings.warn(f"ckpt: after committing {self.path}: {e}", stacklevel=2)
+        try:
+            if on_commit is not None:  # before DCP's broadcast: ranks see it done
+                try:
+                    on_commit()
+                except Exception as e:  # never turn a committed save into an error
+                    warnings.warn(f"ckpt: after committing {self.path}: {e}", stacklevel=2)
+        finally:
+            self._release()
         return manifest
+
+
+def _failure_of(error: CheckpointException, kind: type[_E]) -> _E | None:
+    """The first rank's failure of type ``kind`` inside DCP's shared failure."""
+    for exc, _ in error.failures.values():
+        if isinstance(exc, kind):
+            return exc
+    return None
 
 
 def _kind_of(value: object) -> str:
@@ -377,10 +482,27 @@ def wait_pending() -> CheckpointInfo | None:
         return None
     try:
         return pending.wait()
+    except CheckpointError:  # names its save ("async save") and path: keep its class
+        raise
     except Exception as e:
         raise CheckpointError(
             f"the previous asynchronous save to {pending.path} failed: {e}"
         ) from e
+
+
+def _nothing_written() -> str:
+    return "Nothing of this save was written; a previous checkpoint there is intact."
+
+
+def _nothing_read() -> str:
+    return "Nothing was loaded; the checkpoint on disk is unchanged."
+
+
+def _partly_read() -> str:
+    return (
+        "The checkpoint on disk is unchanged, but the state being loaded may be partly "
+        "loaded: load it again before training on."
+    )
 
 
 def _as_path(path: PathLike) -> Path:
@@ -454,9 +576,11 @@ def save(
     sum_kind = _as_checksum(checksum, mac_key)
     options = {"overwrite": overwrite, "checksum": sum_kind, "keyed": mac_key is not None}
     with on_device(device_of(state)):  # [Note: choosing the CUDA device] in fsdp
-        check_ranks_agree("ckpt.save", comm, target, options)
+        with named_faults("save", target, comm, "agreement", _nothing_written):
+            check_ranks_agree("ckpt.save", comm, target, options)
+            peers(comm)
         state_dict, _ = to_state_dict(state, process_group)  # by reference, no collective
-        tx = _SaveTransaction(target, comm, sum_kind, mac_key, state)
+        tx = _SaveTransaction(target, comm, sum_kind, mac_key, state, call="save")
         tx.prepare(overwrite)
         return tx.write(state_dict, _on_commit)
 
@@ -495,9 +619,11 @@ def async_save(
     options = {"overwrite": overwrite, "checksum": sum_kind, "keyed": mac_key is not None}
     device = device_of(state)
     with on_device(device):
-        check_ranks_agree("ckpt.async_save", comm, target, options)
+        with named_faults("async save", target, comm, "agreement", _nothing_written):
+            check_ranks_agree("ckpt.async_save", comm, target, options)
+            peers(comm)
         staged = stage(to_state_dict(state, group)[0])  # [Note: staging]
-        tx = _SaveTransaction(target, comm, sum_kind, mac_key, state)
+        tx = _SaveTransaction(target, comm, sum_kind, mac_key, state, call="async save")
         tx.prepare(overwrite)
 
     def work() -> CheckpointInfo:
@@ -565,8 +691,11 @@ def verify(
     wait_pending()
     source = _as_path(path)
     comm = Comm.of(process_group)
-    check_ranks_agree("ckpt.verify", comm, source, {"keyed": key is not None})
-    manifest = _open_checkpoint(source, comm, verify=True, key=_as_key(key))
+    with named_faults("verify", source, comm, "agreement", _nothing_read):
+        check_ranks_agree("ckpt.verify", comm, source, {"keyed": key is not None})
+        peers(comm)
+    with named_faults("verify", source, comm, "verifying", _nothing_read):
+        manifest = _open_checkpoint(source, comm, verify=True, key=_as_key(key))
     assert manifest is not None
     comm.run_on_coordinator(
         f"check the pickles of {source}",
@@ -608,13 +737,16 @@ def load(
     source = _as_path(path)
     comm = Comm.of(process_group)
     with on_device(device_of(state)):
-        check_ranks_agree(
-            "ckpt.load",
-            comm,
-            source,
-            {"strict": strict, "verify": verify, "keyed": key is not None},
-        )
-        manifest = _open_checkpoint(source, comm, verify, _as_key(key))
+        with named_faults("load", source, comm, "agreement", _nothing_read):
+            check_ranks_agree(
+                "ckpt.load",
+                comm,
+                source,
+                {"strict": strict, "verify": verify, "keyed": key is not None},
+            )
+            peers(comm)
+        with named_faults("load", source, comm, "verifying", _nothing_read):
+            manifest = _open_checkpoint(source, comm, verify, _as_key(key))
         state_dict, ctx = to_state_dict(state, process_group, manifest, loading=True)
         reader = SafeFileSystemReader(source)
         try:
@@ -626,27 +758,30 @@ def load(
             )
         except CheckpointError as e:
             fit = e
-        fits = comm.all_gather(fit)
-        for rank_fit in fits:  # the same files on every rank: normally all or none fail
-            if isinstance(rank_fit, CheckpointError):
-                raise rank_fit
-        error = combine_fits(source, [f for f in fits if isinstance(f, RankFit)], strict)
-        if error is not None:
-            raise error
-        try:
-            if not comm.distributed:
-                _quiet_single_process()
-            dcp_load(
-                state_dict,
-                storage_reader=reader,
-                planner=SafeLoadPlanner(source, safe_globals, allow_partial_load=not strict),
-                process_group=process_group,
-                no_dist=not comm.distributed,
-            )
-        except CheckpointException as e:
-            for exc, _ in e.failures.values():
-                if isinstance(exc, UnsafeCheckpointError):
-                    raise exc from None
-            raise _dcp_failure(f"read {source}", e) from e
+        step = ["planning"]  # DCP's plan, then its reads ([Note: naming a fault ...])
+        with named_faults("load", source, comm, lambda e: step[0], _partly_read):
+            fits = comm.all_gather(fit)
+            for rank_fit in fits:  # the same files on every rank: normally all or none fail
+                if isinstance(rank_fit, CheckpointError):
+                    raise rank_fit
+            error = combine_fits(source, [f for f in fits if isinstance(f, RankFit)], strict)
+            if error is not None:
+                raise error
+            reader.on_read = lambda: step.__setitem__(0, "reading")
+            try:
+                if not comm.distributed:
+                    _quiet_single_process()
+                dcp_load(
+                    state_dict,
+                    storage_reader=reader,
+                    planner=SafeLoadPlanner(source, safe_globals, allow_partial_load=not strict),
+                    process_group=process_group,
+                    no_dist=not comm.distributed,
+                )
+            except CheckpointException as e:
+                for exc, _ in e.failures.values():
+                    if isinstance(exc, UnsafeCheckpointError):
+                        raise exc from None
+                raise _dcp_failure(f"read {source}", e) from e
         apply_loaded(state, state_dict, ctx)
         return CheckpointInfo(source, manifest)

@@ -15,9 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from flatparam import CollectiveError
+
 __all__ = [
+    "CheckpointCollectiveError",
     "CheckpointError",
     "CheckpointExistsError",
+    "CheckpointInUseError",
     "CorruptCheckpointError",
     "DiskFullError",
     "FileProblem",
@@ -68,7 +72,7 @@ class NotACheckpointError(CheckpointError):
 class PartialCheckpointError(NotACheckpointError):
     """The path was never committed, but an interrupted save left its files beside it.
 
-    A save that was killed before its commit leaves a ``.<name>.partial`` directory;
+    A save that was killed before its commit leaves a ``.<name>.<token>.partial`` directory;
     it is never loaded (it may lack files), and the next save to the same path or a
     :class:`~ckpt.CheckpointManager` save removes it.
     """
@@ -329,3 +333,82 @@ class SignatureError(CheckpointError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.path, self.reason))
+
+
+class CheckpointInUseError(CheckpointError):
+    """Another writer holds the checkpoint being saved, or committed it meanwhile.
+
+    Two jobs saving into one folder (a job started twice, two shells) would write into
+    and rename each other's directories; so a save first takes a lease on its target
+    (``.<name>.lease`` beside it, see [Note: one writer per checkpoint] in
+    ``_lease.py``) and the second writer gets this error before it writes anything.
+    ``owner`` describes the other writer (host, pid, since when) when known, ``lease``
+    is the lease file. Nothing of this save was kept.
+    """
+
+    def __init__(self, path: Path, owner: str, lease: Path | None, detail: str = "") -> None:
+        self.path = path
+        self.owner = owner
+        self.lease = lease
+        self.detail = detail
+        what = detail or f"another save is writing it: {owner}"
+        fix = (
+            "Two writers on one checkpoint folder damage each other's checkpoints: stop the "
+            "other job or save to another folder"
+        )
+        if lease is not None:
+            fix += (
+                f"; if that process is gone (it ran on another host, so its death cannot "
+                f"be seen from here), remove {lease}"
+            )
+        super().__init__(f"cannot save {path}: {what}; nothing of this save was kept. {fix}.")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.path, self.owner, self.lease, self.detail))
+
+
+class CheckpointCollectiveError(CheckpointError, CollectiveError):
+    """A peer rank died, hung or went elsewhere while a checkpoint was saved or loaded.
+
+    Both a :class:`CheckpointError` and a :class:`~flatparam.CollectiveError` (chained
+    to the backend's error). Besides the collective's ``rank``, ``operation`` and
+    ``phase`` (``"save (writing)"``, ...), it carries ``path`` (the checkpoint),
+    ``step`` (``"agreement"``, ``"preparing"``, ``"planning"``, ``"writing"``,
+    ``"commit"``, ``"verifying"``, ``"reading"``; ``""`` when not known) and
+    ``missing_ranks``: the ranks found dead or stopped (empty when it could not be
+    told, e.g. the peer runs on another host). See [Note: naming a fault inside a
+    checkpoint] in ``_peer_faults.py``.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        rank: int,
+        operation: str,
+        target: str,
+        phase: str,
+        path: Path | None = None,
+        step: str = "",
+        missing_ranks: tuple[int, ...] = (),
+    ) -> None:
+        CollectiveError.__init__(
+            self, message, rank=rank, operation=operation, target=target, phase=phase
+        )
+        self.path = path
+        self.step = step
+        self.missing_ranks = tuple(missing_ranks)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        rebuild = functools.partial(
+            type(self),
+            self.args[0],
+            rank=self.rank,
+            operation=self.operation,
+            target=self.target,
+            phase=self.phase,
+            path=self.path,
+            step=self.step,
+            missing_ranks=self.missing_ranks,
+        )
+        return (rebuild, ())

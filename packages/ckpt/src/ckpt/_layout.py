@@ -1,66 +1,85 @@
 """Where a checkpoint's files live before, during and after its commit.
 
 [Note: atomic commit]
-A checkpoint at ``P`` is written into the sibling directory ``.<P.name>.partial`` (same
-parent, so the same filesystem). Every rank writes and fsyncs its own files there; when
-all ranks are done, rank 0 writes the manifest, fsyncs the directory and renames it to
-``P`` (one ``rename(2)``, atomic on POSIX filesystems), then fsyncs the parent so the
-new name is durable. Hence:
+A checkpoint at ``P`` is written into the sibling directory ``.<P.name>.<token>.partial``
+(same parent, so the same filesystem; ``token`` is drawn by rank 0 for this save, so
+no two saves share one: [Note: one writer per checkpoint] in ``_lease.py``). Every
+rank writes and fsyncs its own files there; when all ranks are done, rank 0 writes the
+manifest, fsyncs the directory and renames it to ``P`` (one ``rename(2)``, atomic on
+POSIX filesystems), then fsyncs the parent so the new name is durable. Hence:
 
 * ``P`` exists and holds a manifest  <=>  the save committed; its files are complete.
 * A process killed at any point before the rename leaves ``P`` untouched (absent, or
-  the previous checkpoint) and a ``.<P.name>.partial`` directory that is never loaded,
-  is reported by ``load``/``CheckpointManager``, and is removed by the next save.
-* Overwriting moves the old checkpoint aside to ``.<P.name>.old`` first (a rename onto
-  a non-empty directory is impossible), renames the new one in, then deletes the old
-  one. A kill between the two renames leaves ``P`` absent but both the complete old
-  and new checkpoints beside it; ``load`` names them.
-* Removing a checkpoint (pruning) first renames it to ``.<P.name>.deleting``, so a
-  half-deleted directory never looks committed.
+  the previous checkpoint) and a ``.<P.name>.<token>.partial`` directory that is never
+  loaded, is reported by ``load``/``CheckpointManager``, and is removed by the next
+  save.
+* Overwriting moves the old checkpoint aside to ``.<P.name>.<token>.old`` first (a
+  rename onto a non-empty directory is impossible), renames the new one in, then
+  deletes the old one. A kill between the two renames leaves ``P`` absent but both the
+  complete old and new checkpoints beside it; ``load`` names them.
+* Removing a checkpoint (pruning) first renames it to ``.<P.name>.<token>.deleting``,
+  so a half-deleted directory never looks committed.
+* The commit replaces only what the save saw at its start ([Note: one writer per
+  checkpoint], rule 3): a checkpoint another writer committed meanwhile stays.
+
+Leftovers of saves before tokens (``.<P.name>.partial``, ...) are recognised as well.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import re
+import secrets
 import shutil
 from pathlib import Path
 
 from ckpt._errors import (
     CheckpointError,
     CheckpointExistsError,
+    CheckpointInUseError,
     NotACheckpointError,
     PartialCheckpointError,
 )
 from ckpt._manifest import MANIFEST_NAME
 
 __all__ = [
+    "Occupant",
     "commit",
-    "deleting_path",
     "is_committed",
+    "leftover_target",
     "leftovers",
+    "leftovers_of",
+    "make_parent",
+    "new_token",
     "not_a_checkpoint",
-    "old_path",
+    "occupant",
     "partial_path",
     "prepare_partial",
     "remove",
 ]
 
-_SUFFIXES = (".partial", ".old", ".deleting")
+# ``.<name>[.<token>].<kind>``: the token is 16 hex digits (absent in older leftovers).
+_LEFTOVER = re.compile(
+    r"^\.(?P<name>.+?)(?:\.(?P<token>[0-9a-f]{16}))?\.(?P<kind>partial|old|deleting)$"
+)
+
+# What occupies a target: None (nothing) or its manifest's (inode, size, mtime in ns).
+Occupant = tuple[int, int, int] | None
 
 
-def partial_path(path: Path) -> Path:
-    """The uncommitted directory a save to ``path`` writes into."""
-    return path.parent / f".{path.name}.partial"
+def new_token() -> str:
+    """A fresh save token: 16 hex digits."""
+    return secrets.token_hex(8)
 
 
-def old_path(path: Path) -> Path:
-    """Where an overwrite parks the previous checkpoint until the new one is in."""
-    return path.parent / f".{path.name}.old"
+def partial_path(path: Path, token: str) -> Path:
+    """The uncommitted directory the save ``token`` to ``path`` writes into."""
+    return path.parent / f".{path.name}.{token}.partial"
 
 
-def deleting_path(path: Path) -> Path:
-    """Where a checkpoint is moved before it is deleted."""
-    return path.parent / f".{path.name}.deleting"
+def _aside(path: Path, token: str, kind: str) -> Path:
+    return path.parent / f".{path.name}.{token}.{kind}"
 
 
 def is_committed(path: Path) -> bool:
@@ -68,15 +87,44 @@ def is_committed(path: Path) -> bool:
     return (path / MANIFEST_NAME).is_file()
 
 
+def occupant(path: Path) -> Occupant:
+    """What is committed at ``path`` now: None, or its manifest's identity."""
+    try:
+        st = (path / MANIFEST_NAME).stat()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def leftover_target(leftover: Path) -> tuple[str, str] | None:
+    """``(target name, kind)`` of a leftover directory's name, or None if it is none."""
+    m = _LEFTOVER.match(leftover.name)
+    return None if m is None else (m.group("name"), m.group("kind"))
+
+
 def leftovers(root: Path) -> list[Path]:
-    """Directories in ``root`` that interrupted saves, overwrites or prunes left behind."""
+    """Directories in ``root`` that interrupted saves, overwrites or prunes left behind
+    (or that a running save is writing)."""
     if not root.is_dir():
         return []
-    return sorted(
-        p
-        for p in root.iterdir()
-        if p.name.startswith(".") and p.name.endswith(_SUFFIXES) and p.is_dir()
-    )
+    return sorted(p for p in root.iterdir() if _LEFTOVER.match(p.name) and p.is_dir())
+
+
+def leftovers_of(path: Path, *kinds: str) -> list[Path]:
+    """The leftovers of saves to ``path`` (of the given kinds, or all), oldest first."""
+    found = []
+    for p in leftovers(path.parent):
+        parsed = leftover_target(p)
+        if parsed is not None and parsed[0] == path.name and (not kinds or parsed[1] in kinds):
+            found.append(p)
+    return sorted(found, key=_mtime)
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0  # removed meanwhile
 
 
 def fsync_dir(path: Path) -> None:
@@ -95,18 +143,18 @@ def remove(path: Path) -> None:
         return
     target = path
     if not path.name.startswith("."):
-        target = deleting_path(path)
-        if target.exists():
-            shutil.rmtree(target)
+        target = _aside(path, new_token(), "deleting")
         path.rename(target)
     shutil.rmtree(target)
 
 
-def prepare_partial(path: Path, overwrite: bool) -> list[Path]:
-    """Check ``path`` may be saved to and create an empty partial directory for it.
+def prepare_partial(path: Path, overwrite: bool, token: str) -> tuple[list[Path], Occupant]:
+    """Check ``path`` may be saved to and create the save's empty partial directory.
 
-    Runs on rank 0 only. Returns the stale leftovers it removed (a previous
-    interrupted save to the same path) so the caller can report them.
+    Runs on rank 0 only, holding the lease on ``path``. Returns the stale leftovers it
+    removed (of earlier saves to the same path, which no one writes any more, since
+    this save holds the lease) so the caller can report them, and what is committed
+    at ``path`` now, which the commit must find unchanged.
     """
     if path.exists() or path.is_symlink():
         if not path.is_dir():
@@ -125,10 +173,22 @@ def prepare_partial(path: Path, overwrite: bool) -> list[Path]:
                 f"(atomically) or save to a new path"
             )
     removed: list[Path] = []
-    for stale in (partial_path(path), old_path(path) if path.exists() else None):
-        if stale is not None and stale.exists():
-            shutil.rmtree(stale)
-            removed.append(stale)
+    stale_kinds = ("partial", "deleting", "old") if path.exists() else ("partial", "deleting")
+    for stale in leftovers_of(path, *stale_kinds):
+        shutil.rmtree(stale, ignore_errors=True)
+        removed.append(stale)
+    try:
+        partial_path(path, token).mkdir()
+    except OSError as e:
+        raise CheckpointError(
+            f"cannot save a checkpoint to {path}: creating its directory failed ({e}); "
+            "choose a path you may write to"
+        ) from e
+    return removed, occupant(path)
+
+
+def make_parent(path: Path) -> None:
+    """Create ``path``'s parent directories, or name why they cannot be (rank 0)."""
     blocker = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
     if blocker is not None:
         raise CheckpointError(
@@ -137,33 +197,52 @@ def prepare_partial(path: Path, overwrite: bool) -> list[Path]:
         )
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial_path(path).mkdir()
     except OSError as e:
         raise CheckpointError(
             f"cannot save a checkpoint to {path}: creating its directory failed ({e}); "
             "choose a path you may write to"
         ) from e
-    return removed
 
 
-def commit(path: Path) -> None:
-    """Make the finished partial directory of ``path`` appear at ``path`` (rank 0 only).
+def _replaced_meanwhile(path: Path) -> CheckpointInUseError:
+    return CheckpointInUseError(
+        path,
+        "another writer",
+        None,
+        "another writer committed a checkpoint there while this save was written, "
+        "and a commit never replaces a checkpoint it did not see at its start",
+    )
+
+
+def commit(path: Path, token: str, expected: Occupant) -> None:
+    """Make the save ``token``'s finished partial directory appear at ``path`` (rank 0).
 
     See [Note: atomic commit]. The caller has written and synced every file and the
-    manifest inside the partial directory.
+    manifest inside the partial directory; ``expected`` is what :func:`prepare_partial`
+    found at ``path``. Raises :class:`CheckpointInUseError` if that changed.
     """
-    partial = partial_path(path)
+    partial = partial_path(path, token)
     fsync_dir(partial)
-    if path.exists():
-        old = old_path(path)
-        if old.exists():
-            shutil.rmtree(old)
+    if occupant(path) != expected:
+        raise _replaced_meanwhile(path)
+    if expected is not None:
+        old = _aside(path, token, "old")
         path.rename(old)
-        partial.rename(path)
+        try:
+            partial.rename(path)
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+            raise _replaced_meanwhile(path) from None
         fsync_dir(path.parent)
         shutil.rmtree(old)
     else:
-        partial.rename(path)
+        try:
+            partial.rename(path)
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+                raise
+            raise _replaced_meanwhile(path) from None
     fsync_dir(path.parent)
 
 
@@ -180,15 +259,15 @@ def not_a_checkpoint(path: Path) -> NotACheckpointError:
         return NotACheckpointError(path, f"the directory has no {MANIFEST_NAME}")
     if path.exists():
         return NotACheckpointError(path, "it is a file, not a checkpoint directory")
-    partial = partial_path(path)
-    old = old_path(path)
-    if old.is_dir():
-        also = f", and the new one at {partial}" if partial.is_dir() else ""
+    partials = leftovers_of(path, "partial")
+    olds = leftovers_of(path, "old")
+    if olds:
+        also = f", and the new one at {partials[-1]}" if partials else ""
         return NotACheckpointError(
             path,
             f"an overwrite of it was interrupted between its two renames; the previous "
-            f"checkpoint is intact at {old}{also}; rename it back to {path.name}",
+            f"checkpoint is intact at {olds[-1]}{also}; rename it back to {path.name}",
         )
-    if partial.is_dir():
-        return PartialCheckpointError(path, partial)
+    if partials:
+        return PartialCheckpointError(path, partials[-1])
     return NotACheckpointError(path, "no such file or directory")

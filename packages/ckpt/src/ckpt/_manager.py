@@ -3,15 +3,18 @@
 ``root/step_<N>`` holds the checkpoint of step N (zero-padded to 8 digits so ``ls``
 sorts them). Only committed directories count (see [Note: atomic commit]); what
 interrupted saves or prunes left behind is reported, never loaded, and removed by the
-next save. Old checkpoints are pruned only after a new one is committed, so at least
-one good checkpoint exists at every moment.
+next save. Old checkpoints are pruned only after a new one is committed and the ones
+kept were checked, so at least one good checkpoint exists at every moment; another
+writer in the same root never loses a running save or its checkpoint to the pruning
+([Note: one writer per checkpoint] in ``_lease.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +32,10 @@ from ckpt._checkpoint import (
     wait_pending,
 )
 from ckpt._comm import Comm, device_of, on_device
-from ckpt._errors import NotACheckpointError
-from ckpt._manifest import Checksum
+from ckpt._errors import CheckpointError, CheckpointInUseError, NotACheckpointError
+from ckpt._file_checks import manifest_size_problems
+from ckpt._lease import Lease, acquire
+from ckpt._manifest import Checksum, read_manifest
 
 __all__ = ["CheckpointManager"]
 
@@ -102,27 +107,64 @@ class CheckpointManager:
         return steps[-1] if steps else None
 
     def partial(self) -> list[Path]:
-        """Directories left by interrupted saves, overwrites or prunes (never loaded)."""
+        """Directories left by interrupted saves, overwrites or prunes, or written by
+        another writer's running save (never loaded)."""
         return _layout.leftovers(self.root)
 
-    def _prune(self) -> None:
-        """Rank 0, after a commit: drop leftovers and all but the newest ``keep_last``."""
+    def _prune(self, saved: Path) -> None:
+        """Rank 0, after committing ``saved`` (holding its lease): drop leftovers and
+        all but the newest ``keep_last`` checkpoints.
+
+        Another writer may save into the same root (a job started twice): each
+        leftover and each checkpoint is removed only under its own lease, so a save
+        that is running (its partial directory, the checkpoint it overwrites) is left
+        alone. Old checkpoints go only once the newest ``keep_last`` were checked
+        against their manifests (every file there, of its size) and ``saved`` is one
+        of those or older: a damaged checkpoint never counts as kept, and nothing is
+        deleted while too few whole ones remain.
+        """
         for leftover in self.partial():
-            name, _, kind = leftover.name[1:].rpartition(".")
-            if kind == "old" and not (self.root / name).exists():
-                continue  # an interrupted overwrite: the only copy of that step; keep it
-            if kind == "partial":
-                warnings.warn(
-                    f"ckpt: removing {leftover}, left by a save that was interrupted before "
-                    f"its commit",
-                    stacklevel=2,
-                )
-            _layout.remove(leftover)
+            parsed = _layout.leftover_target(leftover)
+            if parsed is None:
+                continue
+            name, kind = parsed
+            target = self.root / name
+            if target == saved or (kind == "old" and not target.exists()):
+                continue  # this save cleaned its own; an interrupted overwrite's only copy
+            with _lease_or_none(target) as lease:
+                if lease is None:
+                    continue  # a save to it is running
+                if kind == "partial":
+                    warnings.warn(
+                        f"ckpt: removing {leftover}, left by a save that was interrupted "
+                        f"before its commit",
+                        stacklevel=2,
+                    )
+                _layout.remove(leftover)
         if self.keep_last is None:
             return
         steps = self.steps()
-        for step in steps[: max(0, len(steps) - self.keep_last)]:
-            _layout.remove(self.path(step))
+        kept: list[int] = []
+        for step in reversed(steps):
+            if len(kept) == self.keep_last:
+                break
+            problems = _size_problems(self.path(step))
+            if problems:
+                warnings.warn(
+                    f"ckpt: {self.path(step)} is damaged ({problems}); it does not count as "
+                    f"one of the {self.keep_last} checkpoints to keep, and is not deleted",
+                    stacklevel=2,
+                )
+                continue
+            kept.append(step)
+        if len(kept) < self.keep_last:
+            return  # too few whole checkpoints: delete nothing
+        for step in steps:
+            if step >= kept[-1]:
+                break
+            with _lease_or_none(self.path(step)) as lease:
+                if lease is not None:
+                    _layout.remove(self.path(step))
 
     def save(
         self, step: int, state: Mapping[str, Any], *, overwrite: bool = False
@@ -135,7 +177,7 @@ class CheckpointManager:
             checksum=self.checksum,
             key=self.key,
             process_group=self.process_group,
-            _on_commit=self._prune,
+            _on_commit=lambda: self._prune(self.path(step)),
         )
 
     def async_save(
@@ -149,7 +191,7 @@ class CheckpointManager:
             checksum=self.checksum,
             key=self.key,
             process_group=self.process_group,
-            _on_commit=self._prune,
+            _on_commit=lambda: self._prune(self.path(step)),
         )
 
     def wait(self) -> CheckpointInfo | None:
@@ -207,3 +249,26 @@ class CheckpointManager:
 
     def __repr__(self) -> str:
         return f"CheckpointManager({str(self.root)!r}, keep_last={self.keep_last})"
+
+
+@contextlib.contextmanager
+def _lease_or_none(target: Path) -> Iterator[Lease | None]:
+    """The lease on ``target`` for the block, or None when a save holds it."""
+    try:
+        lease, _ = acquire(target, _layout.new_token())
+    except CheckpointInUseError:
+        yield None
+        return
+    try:
+        yield lease
+    finally:
+        lease.release()
+
+
+def _size_problems(path: Path) -> str:
+    """What is wrong with ``path``'s files by size against its manifest; "" if nothing."""
+    try:
+        problems = manifest_size_problems(path, read_manifest(path))
+    except (CheckpointError, OSError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "; ".join(map(str, problems))

@@ -47,7 +47,8 @@ from torch.distributed.checkpoint.metadata import (
     MetadataIndex,
     StorageMeta,
 )
-from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+from torch.futures import Future
 
 from ckpt._errors import CorruptCheckpointError, FileProblem, UnsafeCheckpointError
 from ckpt._pieces import FlatPieces
@@ -211,11 +212,18 @@ class SafeFileSystemReader(FileSystemReader):
 
     _directory: Path
     _metadata: Metadata | None
+    on_read: Callable[[], None]  # told when DCP starts reading this rank's items
 
     def __init__(self, path: Path) -> None:
         super().__init__(path)
         self._directory = path
         self._metadata = None
+        self.on_read = lambda: None
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """DCP's read, after telling ``on_read`` (which names a failure's step)."""
+        self.on_read()
+        return super().read_data(plan, planner)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """The checkpoint's metadata (restricted unpickling; cached for the load)."""

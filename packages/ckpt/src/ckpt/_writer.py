@@ -224,6 +224,7 @@ class CheckpointWriter(SpaceCheckingWriter):
 
     commit: Callable[[list[FileRecord]], Any]
     fs: _HashingFileSystem
+    on_step: Callable[[str], None]  # told "writing", then (the coordinator) "commit"
 
     def __init__(
         self,
@@ -231,12 +232,15 @@ class CheckpointWriter(SpaceCheckingWriter):
         report_path: Path,
         checksum: Checksum,
         commit: Callable[[list[FileRecord]], Any],
+        on_step: Callable[[str], None] = lambda step: None,
     ) -> None:
         super().__init__(path, report_path, sync_files=True, overwrite=False)
         self.fs = _HashingFileSystem(checksum)
         self.commit = commit
+        self.on_step = on_step
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        self.on_step("writing")
         with _without_record_crc():
             results = super().write_data(plan, planner).value()
         with_files: list[Any] = [*results, _RankFiles(tuple(self.fs.records.values()))]
@@ -245,6 +249,7 @@ class CheckpointWriter(SpaceCheckingWriter):
         return done
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        self.on_step("commit")
         records: list[FileRecord] = []
         plain: list[list[WriteResult]] = []
         for rank_results in results:
