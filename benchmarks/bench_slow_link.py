@@ -11,14 +11,18 @@ filter. It touches no interface but that namespace's ``lo`` (every ``tc`` and
 ``ip link`` command names the namespace) and removes the namespace when it
 ends, also on Ctrl-C or SIGTERM. It needs root and iproute2 (``ip``, ``tc``).
 
-For every size (~30M and ~60M parameters, ``bench_scale``'s GPT), world size
-(2 and 4 ranks) and link rate (1 and 10 Gbit/s), one launch holds five
-variants and steps them in turns (one step of each per round), so load from
-elsewhere on the machine hits them alike: ours ``FullyShardedDataParallel``
-(FULL_SHARD, one unit per block plus the root), ours ``fully_shard`` (each
-block, then the root), torch's FSDP1 and FSDP2 built the same way, and a
-compute-only step (the same forward and backward on the full model, AdamW on
-this rank's 1/N of the parameters, no collective). AdamW, fp32, gloo/CPU.
+For every size (~30M and ~60M parameters, ``bench_scale``'s GPT) and world
+size (2 and 4 ranks), one launch holds five variants and steps them in turns
+at every link rate (1 and 10 Gbit/s) in turns: each round sets a rate (rank 0
+runs ``tc`` on the namespace, the ranks lined up by barriers) and steps each
+variant once, then the next rate; so load from elsewhere on the machine hits
+every variant and rate alike. The warm-up steps run at the fastest rate. The
+variants: ours ``FullyShardedDataParallel`` (FULL_SHARD, one unit per block
+plus the root), ours ``fully_shard`` (each block, then the root), torch's
+FSDP1 and FSDP2 built the same way, and a compute-only step (the same forward
+and backward on the full model, AdamW on this rank's 1/N of the parameters,
+no collective). AdamW, fp32, gloo/CPU. Before the steps, rank 0 sends 16 MiB
+to rank 1 at each rate: the rate the ranks actually get (in the notes).
 Columns:
 
 * step: median wall time of a training step, each step as long as its slowest
@@ -201,7 +205,7 @@ def add_arguments(group: argparse._ArgumentGroup) -> list[argparse.Action]:
 
 @dataclass(frozen=True, kw_only=True)
 class Plan:
-    """What one run measures: every size x world size x rate, in that nesting."""
+    """What one run measures: every size x world size (a launch each) x rate."""
 
     sizes: dict[str, dict[str, int]]
     world_sizes: list[int]
@@ -229,12 +233,12 @@ class Plan:
             batch=flags.get("batch", BATCH),
         )
 
-    def configurations(self) -> Iterator[tuple[str, int, str]]:
-        """(size label, world size, rate) in the order they run: rates in turns innermost."""
+    def configurations(self) -> Iterator[tuple[str, int]]:
+        """(size label, world size) in the order they launch; each launch takes every rate
+        in turns (see :func:`_timing_rank`)."""
         for label in self.sizes:
             for world in self.world_sizes:
-                for rate in self.rates:
-                    yield label, world, rate
+                yield label, world
 
 
 # ------------------------------------------------------------- the namespace
@@ -368,15 +372,7 @@ def _inside(spec_path: str) -> None:
             "slow_link: _inside runs only inside the benchmark's network namespace, "
             "not the launcher's (it would measure the host's loopback)"
         )
-    ranks = launch(
-        _timing_rank,
-        spec["world"],
-        spec["model"],
-        spec["batch"],
-        spec["warmup"],
-        spec["steps"],
-        timeout=spec["timeout"],
-    )
+    ranks = launch(_timing_rank, spec["world"], spec["job"], timeout=spec["timeout"])
     Path(spec_path).with_suffix(".out").write_bytes(pickle.dumps(ranks))
 
 
@@ -511,40 +507,68 @@ def _link_check() -> dict[str, float]:
     return {"seconds": best, "bytes": carried}
 
 
-def _timing_rank(model: dict[str, int], batch: int, warmup: int, steps: int) -> dict[str, Any]:
-    """Every variant on this rank, stepped in turns; per step: time, wait, lo's bytes."""
+@dataclass(frozen=True, kw_only=True)
+class Job:
+    """One launch: what every rank of it runs (pickled into the ranks)."""
+
+    model: dict[str, int]
+    batch: int
+    warmup: int
+    steps: int
+    netns: str
+    rates: list[int]  # bits per second, in the order of the first round
+
+
+def _timing_rank(job: Job) -> dict[str, Any]:
+    """Every variant on this rank, stepped in turns at every rate in turns; per step:
+    time, wait, lo's bytes. Rank 0 sets the rate between rounds, the ranks lined up."""
     import torch.distributed as dist
 
+    model, batch, warmup, steps, netns, rates = (
+        job.model, job.batch, job.warmup, job.steps, job.netns, job.rates
+    )  # fmt: skip
+
+    def set_rate(bits: int) -> None:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            _check(rate_command(netns, bits))  # names the namespace, as the launcher's
+        dist.barrier()
+
     clock = _WaitClock()
-    link = _link_check()
+    links = {}
+    for bits in rates:
+        set_rate(bits)
+        links[bits] = _link_check()
     dist.barrier()
     before = _tx()
     dist.barrier()
     barrier_bytes = _tx() - before  # what the barrier closing each step adds
     trainers = {v: _Trainer(v, model, batch) for v in VARIANTS}
+    set_rate(max(rates))  # warm up at the fastest: the untimed steps cost least there
     for trainer in trainers.values():
         for _ in range(warmup):
             trainer.step()
-    record: dict[str, dict[str, list[float]]] = {
-        v: {"times": [], "waits": [], "bytes": []} for v in VARIANTS
+    record: dict[int, dict[str, dict[str, list[float]]]] = {
+        bits: {v: {"times": [], "waits": [], "bytes": []} for v in VARIANTS} for bits in rates
     }
     names = list(VARIANTS)
     for i in range(steps):
-        shift = i % len(names)
-        for v in names[shift:] + names[:shift]:
-            dist.barrier()
-            before = _tx()
-            clock.take()
-            start = time.perf_counter()
-            trainers[v].step()
-            record[v]["times"].append(time.perf_counter() - start)
-            record[v]["waits"].append(clock.take())
-            dist.barrier()  # every rank's sends of this step are on the wire
-            record[v]["bytes"].append(_tx() - before - barrier_bytes)
+        for bits in rates[i % len(rates) :] + rates[: i % len(rates)]:
+            set_rate(bits)
+            shift = i % len(names)
+            for v in names[shift:] + names[:shift]:
+                dist.barrier()
+                before = _tx()
+                clock.take()
+                start = time.perf_counter()
+                trainers[v].step()
+                record[bits][v]["times"].append(time.perf_counter() - start)
+                record[bits][v]["waits"].append(clock.take())
+                dist.barrier()  # every rank's sends of this step are on the wire
+                record[bits][v]["bytes"].append(_tx() - before - barrier_bytes)
     return {
-        "variants": record,
+        "rates": {bits: {"variants": record[bits], "link": links[bits]} for bits in rates},
         "param_bytes": trainers[COMPUTE].param_bytes,
-        "link": link,
     }
 
 
@@ -642,41 +666,49 @@ def table_rows(
 def run(options: Options) -> list[Table]:
     """Create the namespace, run every configuration in it, remove it; one table."""
     plan = Plan.from_options(options)
+    rates = [parse_rate(rate) for rate in plan.rates]
     table = Table(
         f"over a rate-limited loopback in a network namespace: GPT, batch {plan.batch} per rank, "
         f"gloo/CPU, AdamW fp32: median of {plan.steps} steps after {plan.warmup} warm-up",
         COLUMNS,
     )
-    checks: dict[str, list[float]] = {}
+    checks: dict[int, list[float]] = {bits: [] for bits in rates}
     with slow_link_namespace() as netns:
         print(f"(network namespace {netns}; removed at the end)", flush=True)
-        for label, world, rate in plan.configurations():
-            bits = parse_rate(rate)
-            _check(rate_command(netns, bits))
+        for label, world in plan.configurations():
             spec = {
                 "world": world,
-                "model": plan.sizes[label],
-                "batch": plan.batch,
-                "warmup": plan.warmup,
-                "steps": plan.steps,
+                "job": Job(
+                    model=plan.sizes[label],
+                    batch=plan.batch,
+                    warmup=plan.warmup,
+                    steps=plan.steps,
+                    netns=netns,
+                    rates=rates,
+                ),
                 "timeout": LAUNCH_TIMEOUT_S,
                 "launcher_netns": os.readlink("/proc/self/ns/net"),
             }
             ranks = _run_inside(netns, spec, timeout=LAUNCH_TIMEOUT_S + 60)
-            checks.setdefault(fmt_rate(bits), []).append(achieved_bits(ranks))
-            cells = table_rows(label, world, bits, ranks[0]["param_bytes"], summarize(ranks, bits))
+            psi = ranks[0]["param_bytes"]
+            cells = []
+            for bits in rates:
+                at_rate = [r["rates"][bits] for r in ranks]
+                checks[bits].append(achieved_bits(at_rate))
+                cells += table_rows(label, world, bits, psi, summarize(at_rate, bits))
             for row in cells:
                 table.add(*row)
             print("\n".join(table.render().splitlines()[-len(cells) :]), flush=True)
     table.notes += [
-        "link check, a 16 MiB send between two ranks: "
+        "link check, a 16 MiB send from rank 0 to rank 1 (the faster of two): "
         + "; ".join(
-            f"{name}: {statistics.median(v) / 1e9:.2f} Gbit/s achieved"
-            for name, v in checks.items()
+            f"{fmt_rate(bits)}: {statistics.median(v) / 1e9:.2f} Gbit/s achieved"
+            for bits, v in checks.items()
         ),
         "comm wait/rank: time blocked in Work.wait (mean over ranks); step - compute: over the "
         "compute-only step of the same round (no collective, AdamW on 1/N)",
         "sent/rank: lo's transmitted bytes in the namespace / N; link time: all ranks' bytes / "
         "rate (one shared link)",
+        "rates in turns: each round steps every variant at one rate, then at the next",
     ]
     return [table]
