@@ -414,7 +414,7 @@ class _WaitClock:
             finally:
                 self.total += time.perf_counter() - start
 
-        dist.Work.wait = wait  # type: ignore[method-assign]
+        dist.Work.wait = wait  # type: ignore[method-assign,assignment]
 
     def take(self) -> float:
         """The time since the last call, and start again from zero."""
@@ -442,13 +442,14 @@ class _Trainer:
             self.opt = torch.optim.AdamW(params[dist.get_rank() :: dist.get_world_size()], lr=LR)
             return
         if variant in (OURS_FSDP2, TORCH_FSDP2):
-            if variant == OURS_FSDP2:
-                from fsdp import fully_shard
-            else:
-                from torch.distributed.fsdp import fully_shard
+            import torch.distributed.fsdp as torch_fsdp
+
+            import fsdp
+
+            shard: Any = fsdp.fully_shard if variant == OURS_FSDP2 else torch_fsdp.fully_shard
             for block in self.model.blocks:
-                fully_shard(block)
-            fully_shard(self.model)
+                shard(block)
+            shard(self.model)
         elif variant == OURS_FSDP1:
             import fsdp
             import fsdp.wrap
