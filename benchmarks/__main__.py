@@ -1,10 +1,17 @@
 """Run the benchmarks: ``python -m benchmarks [NAME ...] [--quick] [--repeats N] [--list]``.
 
 Without names, every ``benchmarks/bench_*.py`` module runs, in name order;
-``NAME`` is a module name with or without its ``bench_`` prefix
-(``bench_zero`` or ``zero``). Each module's tables are printed as soon as it
-finishes. ``nox -s bench`` runs this with ``OMP_NUM_THREADS=1``, and any
-arguments after ``--`` are passed here (``nox -s bench -- zero --quick``).
+``NAME`` is a module name with or without its ``bench_`` prefix, dashes or
+underscores (``bench_zero`` or ``zero``; ``slow-link`` or ``slow_link``). Each
+module's tables are printed as soon as it finishes. ``nox -s bench`` runs this
+with ``OMP_NUM_THREADS=1``, and any arguments after ``--`` are passed here
+(``nox -s bench -- zero --quick``).
+
+A module may also define ``add_arguments(group) -> list[argparse.Action]``, its
+own flags (listed under its name by ``--help``; they have no defaults here, and
+the ones given reach it as ``Options.flags``), and ``preflight(options)``, which
+runs for every chosen module before any benchmark starts and raises
+``SystemExit`` with the fix when the module cannot run on this machine.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import importlib
 import sys
 import time
 from pathlib import Path
+from types import ModuleType
 
 from benchmarks.common import Options
 
@@ -23,32 +31,65 @@ def available() -> list[str]:
     return sorted(p.stem for p in Path(__file__).parent.glob("bench_*.py"))
 
 
+def module_name(name: str) -> str:
+    """``slow-link``, ``slow_link`` or ``bench_slow_link`` as ``bench_slow_link``."""
+    name = name.replace("-", "_")
+    return name if name.startswith("bench_") else f"bench_{name}"
+
+
 def main(argv: list[str]) -> int:
     """Parse ``argv``, run the chosen benchmarks, print their tables; the exit status."""
-    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("names", nargs="*", help="benchmarks to run (default: all)")
     parser.add_argument("--quick", action="store_true", help="a short smoke run")
     parser.add_argument("--repeats", type=int, default=1, help="runs per variant, pooled")
     parser.add_argument("--list", action="store_true", help="list the benchmarks and exit")
-    args = parser.parse_args(argv)
     names = available()
+    modules: dict[str, ModuleType] = {}
+    owner: dict[str, str] = {}  # a module flag's dest -> its module
+    for name in names:
+        modules[name] = module = importlib.import_module(f"benchmarks.{name}")
+        add = getattr(module, "add_arguments", None)
+        if add is not None:
+            group = parser.add_argument_group(f"{name} flags", argument_default=argparse.SUPPRESS)
+            owner.update((action.dest, name) for action in add(group))
+    args = parser.parse_args(argv)
     if args.list:
         for name in names:
-            module = importlib.import_module(f"benchmarks.{name}")
-            print(f"{name}: {module.DESCRIPTION}")
+            print(f"{name}: {modules[name].DESCRIPTION}")
         return 0
     chosen = []
     for name in args.names or names:
-        full = name if name.startswith("bench_") else f"bench_{name}"
+        full = module_name(name)
         if full not in names:
             parser.error(f"no benchmark {name!r}; available: {', '.join(names)}")
         chosen.append(full)
-    options = Options(quick=args.quick, repeats=args.repeats)
+    given = {dest: value for dest, value in vars(args).items() if dest in owner}
+    for dest in given:
+        if owner[dest] not in chosen:
+            flag = "--" + dest.replace("_", "-")
+            parser.error(f"{flag} is a flag of {owner[dest]}, which is not among those chosen")
+    options = {
+        name: Options(
+            quick=args.quick,
+            repeats=args.repeats,
+            flags={d: v for d, v in given.items() if owner[d] == name},
+        )
+        for name in chosen
+    }
     for name in chosen:
-        module = importlib.import_module(f"benchmarks.{name}")
+        preflight = getattr(modules[name], "preflight", None)
+        if preflight is not None:
+            preflight(options[name])
+    for name in chosen:
+        module = modules[name]
         print(f"== {name}: {module.DESCRIPTION}", flush=True)
         start = time.monotonic()
-        for table in module.run(options):
+        for table in module.run(options[name]):
             print()
             print(table.render(), flush=True)
         print(f"\n({name} took {time.monotonic() - start:.0f} s)\n", flush=True)

@@ -37,7 +37,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -66,11 +66,14 @@ class Options:
 
     ``quick`` asks for a smoke run (fewer and smaller steps) that checks the
     benchmark works, not what it measures; ``repeats`` runs each comparison
-    that many times, alternating the variants' order, and pools the steps.
+    that many times, alternating the variants' order, and pools the steps;
+    ``flags`` holds the benchmark's own flags that were given on the command
+    line (by ``dest``; see ``add_arguments`` in ``benchmarks/__main__.py``).
     """
 
     quick: bool = False
     repeats: int = 1
+    flags: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.repeats < 1:
