@@ -9,14 +9,16 @@ parameters. SGD with momentum, whose update is proportional to the gradient,
 so a wrongly scaled gradient shows in the parameters (Adam would hide it).
 
 An example ends one of two ways (:func:`judge`): everything equal (bit for bit
-at 1 and 2 ranks, within :data:`TOLERANCE_4` at 4, where sums run in other
-orders), or every rank raised a clear error (an exception raised by our
+at 1 and 2 ranks, fp32 or bf16; at 4 ranks, where sums run in other orders,
+within :data:`TOLERANCE_4`, or :data:`TOLERANCE_BF16` under bf16 mixed
+precision), or every rank raised a clear error (an exception raised by our
 package, not a bare ``AssertionError``) before any recorded value differed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import os
 import traceback
@@ -35,6 +37,13 @@ LR = 0.1
 MOMENTUM = 0.5
 TOLERANCE_4 = 1e-5
 TIMEOUT_S = 60.0
+# FullyShardPlan.mp -> (param dtype, reduce dtype); fp32 parameters throughout otherwise
+MIXED_PRECISION: dict[str | None, tuple[torch.dtype, torch.dtype] | None] = {
+    None: None,
+    "bf16": (torch.bfloat16, torch.bfloat16),
+    "bf16-fp32": (torch.bfloat16, torch.float32),
+}
+TOLERANCE_BF16 = 1e-2
 
 
 @dataclasses.dataclass
@@ -82,14 +91,23 @@ def _reference(example: Example) -> Record:
     model = build(example.model, example.seed)
     opt = _optimizer(model)
     params = [p for p in model.parameters() if p.requires_grad]
+    dtypes = MIXED_PRECISION[example.plan.mp] if isinstance(example.plan, FullyShardPlan) else None
+    compute = model if dtypes is None else copy.deepcopy(model).to(dtypes[0])
     rec = Record()
     for s, step in enumerate(example.steps):
         acc: dict[int, Tensor] = {}
+        if dtypes is not None:
+            with torch.no_grad():
+                for c, m in zip(compute.parameters(), model.parameters(), strict=True):
+                    c.copy_(m)
         for k, micro in enumerate(step.micros):
             x, y = batch(example.seed, dist.get_rank(), s, k)
-            loss = loss_fn(model(x), y)
+            loss = loss_fn(compute(x), y)
             loss.backward()
             rec.losses.append(loss.item())
+            if dtypes is not None:
+                _low_precision_reduce(compute, params, micro.sync, dtypes[1], acc)
+                continue
             if not micro.sync:
                 continue
             for p in params:
@@ -115,13 +133,44 @@ def _reference(example: Example) -> Record:
     return rec
 
 
+def _low_precision_reduce(
+    compute: nn.Module,
+    params: list[nn.Parameter],
+    sync: bool,
+    reduce_dtype: torch.dtype,
+    acc: dict[int, Tensor],
+) -> None:
+    """fully_shard's order under a ``MixedPrecisionPolicy``: an unsynced gradient is kept
+    in the reduce dtype (or on the parameter, in the compute dtype, where the two are
+    the same); a synced one is added to it, reduced in the reduce dtype (sum, then
+    divide) and added in fp32 to the step's gradient."""
+    trainable = [c for c in compute.parameters() if c.requires_grad]
+    for c, p in zip(trainable, params, strict=True):
+        if c.grad is None:
+            continue
+        if not sync:
+            if c.grad.dtype != reduce_dtype:
+                kept = c.__dict__.pop("_kept", None)
+                g = c.grad.to(reduce_dtype)
+                c.__dict__["_kept"] = g if kept is None else kept + c.grad
+                c.grad = None
+            continue
+        kept = c.__dict__.pop("_kept", None)
+        full = c.grad if kept is None else kept + c.grad
+        c.grad = None
+        r = full.to(reduce_dtype)
+        dist.all_reduce(r)
+        r /= dist.get_world_size()
+        acc[id(p)] = acc[id(p)] + r.float() if id(p) in acc else r.float()
+
+
 # --- fully_shard --------------------------------------------------------------------------------
 
 
 def _fully_shard_model(example: Example) -> tuple[nn.Module, dict[str, nn.Module]]:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+    from fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     plan = example.plan
     assert isinstance(plan, FullyShardPlan)
@@ -133,6 +182,8 @@ def _fully_shard_model(example: Example) -> tuple[nn.Module, dict[str, nn.Module
     model = build(example.model, example.seed)
     by_name: dict[str, nn.Module] = {}
     offload = CPUOffloadPolicy() if plan.offload else OffloadPolicy()
+    dtypes = MIXED_PRECISION[plan.mp]
+    mp = MixedPrecisionPolicy() if dtypes is None else MixedPrecisionPolicy(*dtypes)
     for call, raf in zip(plan.calls, plan.reshard_after_forward, strict=True):
         mods = [model.get_submodule(n) if n else model for n in call]
         fully_shard(
@@ -140,6 +191,7 @@ def _fully_shard_model(example: Example) -> tuple[nn.Module, dict[str, nn.Module
             mesh=mesh,
             reshard_after_forward=raf,
             offload_policy=offload,
+            mp_policy=mp,
         )
         by_name[call[0]] = mods[0]
     return model, by_name
@@ -295,20 +347,26 @@ def _pairs(ref: Record, ours: Record) -> Iterator[tuple[str, Tensor | float, Ten
                 yield f"step {s} {kind} {n}", da.get(n, missing), db.get(n, missing)
 
 
-def differences(ref: Record, ours: Record, world_size: int) -> list[str]:
-    """Every recorded value of ``ours`` that differs from ``ref`` (prefixes compared)."""
+def tolerance(example: Example) -> float:
+    """0 (bit for bit) at 1 and 2 ranks, where every sum has at most two terms; at 4 ranks
+    an fp32 sum order's worth, a bf16 one's under bf16 mixed precision."""
+    if example.world_size <= 2:
+        return 0.0
+    plan = example.plan
+    return TOLERANCE_BF16 if isinstance(plan, FullyShardPlan) and plan.mp else TOLERANCE_4
+
+
+def differences(ref: Record, ours: Record, tol: float) -> list[str]:
+    """Every recorded value of ``ours`` that differs from ``ref`` by more than ``tol``
+    (prefixes compared: a run that raised recorded fewer)."""
     out = []
     for what, a, b in _pairs(ref, ours):
-        ta, tb = torch.as_tensor(a), torch.as_tensor(b)
+        ta, tb = torch.as_tensor(a).float(), torch.as_tensor(b).float()
         if ta.shape != tb.shape:
             out.append(f"{what}: shape {tuple(tb.shape)} instead of {tuple(ta.shape)}")
-            continue
-        if world_size <= 2:
-            if not torch.equal(ta, tb):
-                worst = (ta - tb).abs().max().item() if ta.numel() else 0.0
-                out.append(f"{what}: differs by {worst:.3g}")
-        elif not torch.allclose(ta, tb, rtol=TOLERANCE_4, atol=TOLERANCE_4):
-            out.append(f"{what}: differs by {(ta - tb).abs().max().item():.3g}")
+        elif not (torch.equal(ta, tb) or torch.allclose(ta, tb, rtol=tol, atol=tol)):
+            worst = (ta - tb).abs().max().item() if ta.numel() else 0.0
+            out.append(f"{what}: differs by {worst:.3g}")
     return out
 
 
@@ -323,7 +381,7 @@ def judge(example: Example, results: list[tuple[Record, Record]]) -> str | None:
             if e is not None and not e[2]:
                 problems.append(f"rank {rank} raised an error that is not a clear one:\n{e[1]}")
     for rank, (ref, ours) in enumerate(results):
-        diff = differences(ref, ours, example.world_size)
+        diff = differences(ref, ours, tolerance(example))
         if diff:
             problems.append(f"rank {rank}: " + "; ".join(diff[:6]))
     if not problems:
@@ -342,6 +400,6 @@ def check_example(example: Example, note: Callable[[str], None] = print) -> None
     verdict = judge(example, results)
     if verdict is not None:
         raise AssertionError(f"{verdict}\n\nreproduce with:\n{reproduction(example)}")
-    errors = {e[0] for _, ours in results if (e := ours.error) is not None}
+    errors = {e[1].strip().splitlines()[-1] for _, ours in results if (e := ours.error) is not None}
     if errors:
         note(f"ended with a clear error on every rank: {sorted(errors)}")

@@ -68,6 +68,7 @@ class FullyShardPlan:
     reshard_after_forward: tuple[bool | int | None, ...]  # one per call
     hsdp: bool = False  # a (2, world/2) mesh
     offload: bool = False  # CPUOffloadPolicy on every call
+    mp: str | None = None  # MixedPrecisionPolicy on every call: "bf16" or "bf16-fp32" (reduce)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +145,8 @@ def fully_shard_plans(draw: st.DrawFn, model: ModelSpec, world_size: int) -> Ful
             i += 1
     calls.append(("",))
     rafs = tuple(draw(_reshard_values(world_size, hsdp)) for _ in calls)
-    return FullyShardPlan(tuple(calls), rafs, hsdp, offload=draw(st.booleans()))
+    mp = draw(st.sampled_from([None, None, "bf16", "bf16-fp32"]))
+    return FullyShardPlan(tuple(calls), rafs, hsdp, offload=draw(st.booleans()), mp=mp)
 
 
 @st.composite
@@ -185,17 +187,25 @@ def _fully_shard_settings(
     out: list[tuple[str, str, object]] = []
     for _ in range(draw(st.integers(0, 3))):
         name = draw(st.sampled_from(names))
+        # set_unshard_in_backward(False) is right only for a module whose backward reads
+        # no parameters (the embedding) and raises elsewhere: drawn less often.
         setter = draw(
             st.sampled_from(
                 [
                     "set_reshard_after_forward",
+                    "set_reshard_after_forward",
                     "set_reshard_after_backward",
-                    "set_unshard_in_backward",
+                    "set_reshard_after_backward",
+                    "set_modules_to_forward_prefetch",
                     "set_modules_to_forward_prefetch",
                     "set_modules_to_backward_prefetch",
+                    "set_modules_to_backward_prefetch",
+                    "set_unshard_in_backward",
                 ]
             )
         )
+        if setter == "set_unshard_in_backward" and "emb" in names and draw(st.booleans()):
+            name = "emb"
         value: object
         if setter == "set_reshard_after_forward":
             value = draw(_reshard_values(world_size, hsdp).filter(lambda v: v is not None))
