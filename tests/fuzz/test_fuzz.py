@@ -20,7 +20,7 @@ from tests.fuzz._run import check_example
 from tests.fuzz._space import Example, examples
 
 CI_EXAMPLES = 12  # per front end at 2 ranks (half as many at 4): about a minute each
-LONG_EXAMPLES = 1500  # --long: 1,500 at 2 ranks and 750 at 4, per front end
+LONG_EXAMPLES = 1400  # --long: 1,400 at 2 ranks and 700 at 4, per front end
 
 
 def _settings(world_size: int, long: bool) -> settings:
@@ -42,9 +42,26 @@ def test_trains_like_ddp_or_raises(
 ) -> None:
     long = bool(request.config.getoption("--long"))
 
+    progress = os.environ.get("FUZZ_PROGRESS")  # a file: one line per example run
+
     @_settings(world_size, long)
     @given(examples(front_end, world_size))
     def run(example: Example) -> None:
-        check_example(example, note)
+        outcome = "equal to DDP"
+
+        def record(line: str) -> None:
+            nonlocal outcome
+            outcome = line
+            note(line)
+
+        try:
+            check_example(example, record)
+        except AssertionError:
+            outcome = "FAILED"
+            raise
+        finally:
+            if progress:
+                with open(progress, "a") as f:
+                    f.write(f"{front_end} {world_size}: {outcome[:160]}\n")
 
     run()
