@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
+from fsdp._fully_shard import _composable
 from fsdp._fully_shard._mesh import (
     InvalidArgumentError,
     MeshInfo,
@@ -166,9 +167,10 @@ def fully_shard(
             mp=mp,
             offload=offload,
         )
-    FullyShardState(
+    state = FullyShardState(
         modules, group, mesh=info, device=device, mp=mp, auto_reshard_after_forward=auto
     )
+    _composable.register(modules, fully_shard, state)  # [Note: torch's composable registry]
     release_freed_host_memory()  # the originals' memory: see [Note: construction RSS]
     for m in managed:
         m.__dict__["_is_fsdp_managed_module"] = True  # as torch's, for Dynamo's checks
@@ -215,7 +217,7 @@ def _check_module(module: nn.Module) -> None:
         raise ValueError(
             f"fully_shard does not support containers that do not implement forward: {module}"
         )
-    if state_of(module) is not None:
+    if state_of(module) is not None or _composable.is_fully_sharded(module):
         raise InvalidArgumentError(
             "Each distinct composable distributed API can only be applied to a module once. "
             f"fully_shard was already applied to this {type(module).__name__}: apply it once "
@@ -238,6 +240,8 @@ def _managed_modules(roots: tuple[nn.Module, ...], ignored: set[nn.Parameter]) -
         seen.add(id(m))
         for child in m.children():
             if id(child) in seen or state_of(child) is not None:
+                continue
+            if _composable.is_replicated(child):  # torch's replicate() owns it, as in torch's
                 continue
             visit(child)
         out.append(m)

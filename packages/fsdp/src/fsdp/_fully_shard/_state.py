@@ -68,6 +68,7 @@ from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
+from torch.distributed._composable_state import _State
 
 from fsdp._fully_shard._mesh import MeshInfo
 from fsdp._fully_shard._param import local_tensor
@@ -126,9 +127,10 @@ class IterationContext:
         self.post_optim_event: Any = None  # accepted, see FSDPModule.set_post_optim_event
 
 
-class FullyShardState:
+class FullyShardState(_State):
     """Hooks and phase of one ``fully_shard`` call; see [Note: one fully_shard step] and
-    [Note: several modules, one group]."""
+    [Note: several modules, one group]. A ``_State`` of torch's composable APIs, which
+    find it through the module ([Note: torch's composable registry] in ``_composable.py``)."""
 
     modules: tuple[nn.Module, ...]  # the modules fully_shard was applied to (usually one)
     module: nn.Module  # the first of them
