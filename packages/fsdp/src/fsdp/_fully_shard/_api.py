@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from fsdp._fully_shard import _composable
+from fsdp._fully_shard._extensions import has_extension, is_extension_param
 from fsdp._fully_shard._mesh import (
     InvalidArgumentError,
     MeshInfo,
@@ -285,12 +286,13 @@ def _managed_params(modules: Iterable[nn.Module], ignored: set[nn.Parameter]) ->
                     "fully_shard doesn't support scalar parameters. "
                     f"Change {name} to a 1D tensor with numel equal to 1."
                 )
-            if hasattr(p, "fsdp_pre_all_gather") or hasattr(p, "fsdp_post_all_gather"):
+            has_extension(p)  # both methods or neither: [Note: all-gather extensions]
+            if isinstance(p, DTensor) and is_extension_param(p._local_tensor):
                 raise NotImplementedError(
-                    f"parameter {name!r} is a {type(p).__name__} with fsdp_pre_all_gather / "
-                    "fsdp_post_all_gather (FSDP2's all-gather extensions, e.g. float8 "
-                    "training): not supported by this implementation, which gathers the "
-                    "parameter's own data; use a plain tensor parameter"
+                    f"parameter {name!r} is a DTensor (tensor parallelism) whose local tensor "
+                    f"is a {type(p._local_tensor).__name__} (an all-gather extension or tensor "
+                    "subclass): not supported by this implementation; use extensions on "
+                    "plain (not tensor-parallel) parameters, or plain local tensors"
                 )
             if isinstance(p, DTensor):
                 check_dtensor_param(name, p)  # tensor parallelism: see _tensor_parallel.py

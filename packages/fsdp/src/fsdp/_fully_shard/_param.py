@@ -45,7 +45,7 @@ from torch.distributed.tensor import DTensor, Placement, Shard
 
 from fsdp._fully_shard._tensor_parallel import TensorParallelSpec, wrap_local
 
-__all__ = ["ParamSite", "ShardedParam", "local_tensor", "set_local_tensor"]
+__all__ = ["ParamSite", "ShardedParam", "local_object", "local_tensor", "set_local_tensor"]
 
 
 @dataclass
@@ -146,6 +146,12 @@ def local_tensor(p: Tensor) -> Tensor:
     """``p``'s local tensor (the tensor itself, not an autograd view)."""
     with torch.no_grad():
         return p.to_local() if isinstance(p, DTensor) else p
+
+
+def local_object(p: Tensor) -> Tensor:
+    """``p``'s local tensor object itself (``to_local()`` returns another object): where
+    methods set on it live ([Note: all-gather extensions] in ``_extensions.py``)."""
+    return p._local_tensor if isinstance(p, DTensor) else p
 
 
 def set_local_tensor(p: DTensor, local: Tensor) -> None:

@@ -71,7 +71,6 @@ from torch import Tensor, nn
 from torch.distributed._composable_state import _State
 
 from fsdp._fully_shard._mesh import MeshInfo
-from fsdp._fully_shard._param import local_tensor
 from fsdp._fully_shard._param_group import GroupState, ParamGroup
 from fsdp._fully_shard._policies import MixedPrecisionPolicy
 from fsdp._runtime._agreement import check_agree
@@ -612,15 +611,6 @@ def _storages(states: list[FullyShardState]) -> list[ShardedStorage]:
 
 
 def _check_materialized(group: ParamGroup) -> None:
-    patched = [
-        p.fqn for p in group.params if hasattr(local_tensor(p.sharded), "fsdp_pre_all_gather")
-    ]
-    if patched:
-        raise NotImplementedError(
-            f"the local tensors of {patched} have fsdp_pre_all_gather (FSDP2's all-gather "
-            "extensions): not supported by this implementation, which gathers the parameters' "
-            "own data; remove the extension"
-        )
     on_meta = [p.fqn for p in group.params if p.sharded.device.type == "meta"]
     if on_meta:
         raise RuntimeError(
