@@ -226,6 +226,9 @@ class ExtensionGather:
             with torch.no_grad():
                 torch.cat(flat, out=mine)
         self._buffer = buffer
+        if dtype.itemsize == 1 and dtype not in (torch.uint8, torch.int8):
+            # float8 goes as its bytes: the same data, and gloo has no float8 collectives.
+            buffer, mine = buffer.view(torch.uint8), mine.view(torch.uint8)
         self._pending = all_gather_into(buffer, mine, self.mesh.shard_group)
 
     def _inputs(self, i: int, p: ShardedParam) -> list[Tensor]:
@@ -289,6 +292,14 @@ class ExtensionGather:
                     torch.empty(ws * s.numel(), dtype=dtype, device=self.device)
                     for s, dtype in zip(st.sizes, st.dtypes, strict=True)
                 ]
+            wanted = [(ws * s.numel(), d) for s, d in zip(st.sizes, st.dtypes, strict=True)]
+            if [(o.numel(), o.dtype) for o in st.outputs] != wanted:
+                raise AssertionError(
+                    f"fsdp_pre_all_gather returned inputs of other sizes or dtypes than at the "
+                    f"first gather ({[(o.numel() // ws, o.dtype) for o in st.outputs]} per rank "
+                    f"then, {[(n // ws, d) for n, d in wanted]} now): the gathered outputs are "
+                    "kept and reused, so return the same shapes and dtypes every time"
+                )
             for out in st.outputs:
                 alloc_storage(out, out.numel())
                 view = out.view(ws, -1)
