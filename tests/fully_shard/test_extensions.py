@@ -416,6 +416,48 @@ def _int8_rank(reshard: bool) -> dict[str, Any]:
     }
 
 
+def _errors_rank() -> list[str]:
+    """The user errors of the contract, each raised on every rank (no rank waits alone in a
+    gather): one method without the other, a signature of neither form, an uneven
+    parameter's inputs without the padding."""
+    import fsdp
+    from flatparam import RankDisagreementError
+
+    messages = []
+
+    class OnlyPre(Bf16Gathered):
+        @property
+        def fsdp_post_all_gather(self) -> Any:  # type: ignore[override]
+            raise AttributeError("fsdp_post_all_gather")  # hasattr: False
+
+    with pytest.raises(AssertionError) as info:
+        fsdp.fully_shard(_subclass_mlp(OnlyPre, 4, 2))
+    messages.append(str(info.value))
+
+    class ThreeArgs(Bf16Gathered):
+        def fsdp_pre_all_gather(self, mesh: Any, size: Any, stride: Any) -> Any:  # type: ignore[override]
+            return (self._data,), None
+
+    model = _subclass_mlp(ThreeArgs, 4, 2)
+    fsdp.fully_shard(model)
+    with pytest.raises(AssertionError) as info:
+        model(torch.randn(2, 4))
+    messages.append(str(info.value))
+
+    class Unpadded(Bf16Gathered):
+        def fsdp_pre_all_gather(
+            self, mesh: Any, size: Any, stride: Any, module: Any, mp: Any
+        ) -> Any:
+            return (self._data.to(torch.bfloat16),), None
+
+    model = _subclass_mlp(Unpadded, 3, 3)  # 9 and 3 rows over 2 ranks: uneven
+    fsdp.fully_shard(model)
+    with pytest.raises(RankDisagreementError) as info:
+        model(torch.randn(2, 3))
+    messages.append(str(info.value))
+    return messages
+
+
 # --- tests --------------------------------------------------------------------------------
 
 
@@ -464,3 +506,13 @@ def test_gather_moves_the_extension_bytes(reshard: bool) -> None:
         ext_bytes = 2 * 256 + 4 * (32 + 8)
         assert r["our_gathers"] == r["torch_gathers"]
         assert set(r["our_gathers"]) == {("torch.uint8", ext_bytes)}, r["our_gathers"]
+
+
+def test_contract_errors_name_the_fix_on_every_rank() -> None:
+    for rank, (only_pre, signature, unpadded) in enumerate(run_ranks(_errors_rank, 2)):
+        assert "Both fsdp_pre_all_gather and fsdp_post_all_gather" in only_pre
+        assert f"rank {rank}" in only_pre and "define the other one" in only_pre
+        assert "Invalid fsdp_pre_all_gather" in signature and f"rank {rank}" in signature
+        # Rank 0's chunk has no padding rows, so only rank 1's method got it wrong: both
+        # ranks raise the agreement step's error, which quotes rank 1's.
+        assert "padded sharded size" in unpadded and "rank 1: When" in unpadded, unpadded

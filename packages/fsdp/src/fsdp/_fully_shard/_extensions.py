@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 from torch.distributed.device_mesh import DeviceMesh
@@ -55,6 +56,7 @@ from torch.distributed.tensor import DTensor
 from flatparam import ChunkLayout
 from fsdp._fully_shard._mesh import MeshInfo
 from fsdp._fully_shard._param import ShardedParam, local_object, set_local_tensor
+from fsdp._runtime._agreement import check_agree
 from fsdp._runtime._collectives import PendingCollective, all_gather_into
 from fsdp._runtime._sharded_storage import alloc_storage, free_storage
 
@@ -71,7 +73,7 @@ def has_extension(t: Tensor) -> bool:
         raise AssertionError(
             f"Both {PRE} and {POST} should be defined if using all-gather extensions: "
             f"{type(t).__name__} of shape {tuple(t.shape)} has only "
-            f"{PRE if pre else POST}; define the other one too (or neither)"
+            f"{PRE if pre else POST} ({_where()}); define the other one too (or neither)"
         )
     return pre
 
@@ -117,6 +119,7 @@ class ExtensionGather:
     _pending: PendingCollective | None
     _buffer: Tensor | None  # the gather's output while in flight
     _splits: list[int]  # elements of ``_buffer``'s dtype each input takes, per rank
+    _agreed: bool  # the ranks' inputs were checked to match (see start_gather)
 
     def __init__(
         self,
@@ -142,6 +145,7 @@ class ExtensionGather:
         self._pending = None
         self._buffer = None
         self._splits = []
+        self._agreed = False
 
     # --- the local tensors ------------------------------------------------------------------
 
@@ -201,18 +205,42 @@ class ExtensionGather:
                     "shard_placement_fn for it"
                 )
         self._state = [_Gathered(pad, local) for local, pad in zip(locals_, padded, strict=True)]
+        self._agreed = False
 
     def drop(self, indices: Collection[int], layout: ChunkLayout) -> None:
         """Forget the parameters at ``indices`` (released to another group); ``layout`` is
         the rest's."""
         self._state = [st for i, st in enumerate(self._state) if i not in indices]
         self.layout = layout
+        self._agreed = False
 
     # --- gather -----------------------------------------------------------------------------
 
     def start_gather(self) -> None:
-        """Ask every parameter for its all-gather inputs and issue one gather of them all."""
-        per_param = [self._inputs(i, p) for i, p in enumerate(self.params)]
+        """Ask every parameter for its all-gather inputs and issue one gather of them all.
+
+        The first gather checks first that every rank's inputs have the same shapes and
+        dtypes (a method that pads on some ranks only would otherwise leave the others
+        waiting in a gather of another size): one agreement step, after which each rank
+        raises, the same error everywhere when they differ.
+        """
+        per_param: list[list[Tensor]] = []
+        refused: dict[str, str] = {}
+        for i, p in enumerate(self.params):
+            try:
+                per_param.append(self._inputs(i, p))
+            except AssertionError as e:
+                if self._agreed:
+                    raise
+                refused[p.fqn] = str(e)
+                per_param.append([])
+        if not self._agreed:
+            self._agree(per_param, refused)
+            if refused:
+                raise AssertionError(next(iter(refused.values())))
+            self._agreed = True
+        for st in self._state:
+            self._check_same_as_before(st)
         inputs = [t for ts in per_param for t in ts]
         dtypes = {t.dtype for t in inputs}
         dtype = dtypes.pop() if len(dtypes) == 1 else torch.uint8
@@ -230,6 +258,37 @@ class ExtensionGather:
             # float8 goes as its bytes: the same data, and gloo has no float8 collectives.
             buffer, mine = buffer.view(torch.uint8), mine.view(torch.uint8)
         self._pending = all_gather_into(buffer, mine, self.mesh.shard_group)
+
+    def _agree(self, per_param: list[list[Tensor]], refused: dict[str, str]) -> None:
+        fingerprint = {
+            # A refusal's text names this rank; the same refusal on every rank must agree.
+            f"all-gather inputs of {p.fqn}": refused.get(p.fqn, "").replace(_where(), "that rank")
+            or str([(tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in ts])
+            for p, ts in zip(self.params, per_param, strict=True)
+        }
+        check_agree(
+            "fully_shard all-gather extension",
+            fingerprint,
+            [self.mesh.shard_group],
+            device=self.device,
+            where="fully_shard (the first all-gather of parameters with all-gather extensions)",
+            fixes={},
+            default_fix="Return inputs of the same shapes and dtypes on every rank from "
+            "fsdp_pre_all_gather (an unevenly sharded parameter's padded to the chunk's rows).",
+        )
+
+    def _check_same_as_before(self, st: _Gathered) -> None:
+        if not st.outputs:
+            return
+        ws = self.mesh.shard_size
+        wanted = [(ws * s.numel(), d) for s, d in zip(st.sizes, st.dtypes, strict=True)]
+        if [(o.numel(), o.dtype) for o in st.outputs] != wanted:
+            raise AssertionError(
+                f"fsdp_pre_all_gather returned inputs of other sizes or dtypes than at the "
+                f"first gather ({[(o.numel() // ws, o.dtype) for o in st.outputs]} per rank "
+                f"then, {[(n // ws, d) for n, d in wanted]} now): the gathered outputs are "
+                f"kept and reused, so return the same shapes and dtypes every time ({_where()})"
+            )
 
     def _inputs(self, i: int, p: ShardedParam) -> list[Tensor]:
         st = self._state[i]
@@ -256,7 +315,7 @@ class ExtensionGather:
                 "Expects fsdp_pre_all_gather(self, mesh: DeviceMesh, outer_size: torch.Size, "
                 "outer_stride: tuple[int, ...], module: nn.Module, mp_policy: "
                 f"MixedPrecisionPolicy) (or the older (self, mesh)); {p.fqn}'s "
-                f"{type(local).__name__} takes {n_args} arguments after self"
+                f"{type(local).__name__} takes {n_args} arguments after self ({_where()})"
             )
         if isinstance(inputs, Tensor):
             inputs = (inputs,)
@@ -292,14 +351,6 @@ class ExtensionGather:
                     torch.empty(ws * s.numel(), dtype=dtype, device=self.device)
                     for s, dtype in zip(st.sizes, st.dtypes, strict=True)
                 ]
-            wanted = [(ws * s.numel(), d) for s, d in zip(st.sizes, st.dtypes, strict=True)]
-            if [(o.numel(), o.dtype) for o in st.outputs] != wanted:
-                raise AssertionError(
-                    f"fsdp_pre_all_gather returned inputs of other sizes or dtypes than at the "
-                    f"first gather ({[(o.numel() // ws, o.dtype) for o in st.outputs]} per rank "
-                    f"then, {[(n // ws, d) for n, d in wanted]} now): the gathered outputs are "
-                    "kept and reused, so return the same shapes and dtypes every time"
-                )
             for out in st.outputs:
                 alloc_storage(out, out.numel())
                 view = out.view(ws, -1)
@@ -357,6 +408,10 @@ def _flat(t: Tensor, dtype: torch.dtype) -> Tensor:
     """``t`` as a 1-D tensor of ``dtype`` (its bytes when ``dtype`` is uint8 and it is not)."""
     flat = t.reshape(-1)
     return flat if flat.dtype == dtype else flat.view(dtype)
+
+
+def _where() -> str:
+    return f"rank {dist.get_rank()}" if dist.is_initialized() else "this process"
 
 
 def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
