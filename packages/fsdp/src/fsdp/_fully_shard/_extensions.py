@@ -164,8 +164,11 @@ class ExtensionGather:
             padded = t.new_zeros(self.layout.padded_local_shape(i), device=device)
             start, end = self.layout.rows(i, rank)
             if not t.is_meta and end > start:
+                # torch.chunk, not narrow: a subclass may cut only at its chunk boundaries
+                # (torchao's NF4Tensor), and these are torch.chunk's, as in torch's.
+                chunk = torch.chunk(t.detach(), self.layout.world_size, dim=0)[rank]
                 with torch.no_grad():
-                    padded.narrow(0, 0, end - start).copy_(t.detach().narrow(0, start, end - start))
+                    padded.narrow(0, 0, end - start).copy_(chunk)
             local = padded.narrow(0, 0, end - start)
             self._state.append(_Gathered(padded, local))
             locals_.append(local)
