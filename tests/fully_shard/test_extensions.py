@@ -239,15 +239,24 @@ def _plain(t: Any) -> Tensor:
 
 
 def _train(
-    model: nn.Module, dim: int, opt_kwargs: dict[str, Any], steps: int = STEPS
+    model: nn.Module,
+    dim: int,
+    opt_kwargs: dict[str, Any],
+    steps: int = STEPS,
+    accumulate: int = 1,
 ) -> dict[str, list[Any]]:
+    """Losses, full gradients and full parameters of each step (``accumulate``
+    micro-batches per step, all but the last without gradient sync)."""
     opt = torch.optim.Adam(model.parameters(), lr=1e-2, **opt_kwargs)
     g = torch.Generator().manual_seed(42 + dist.get_rank())
     record: dict[str, list[Any]] = {"loss": [], "grads": [], "params": []}
     for step in range(steps):
-        loss = model(torch.randn(2, dim, generator=g)).sum()
-        loss.backward()
-        record["loss"].append(loss.item())
+        for micro in range(accumulate):
+            if accumulate > 1:
+                model.set_requires_gradient_sync(micro == accumulate - 1)  # type: ignore[operator]
+            loss = model(torch.randn(2, dim, generator=g)).sum()
+            loss.backward()
+            record["loss"].append(loss.item())
         record["grads"].append(
             {n: _plain(p.grad) for n, p in model.named_parameters() if p.grad is not None}
         )
@@ -271,7 +280,13 @@ def _init_after_to_empty(model: nn.Module) -> None:
 
 
 def _two_tensor_case(
-    impl: str, pre_version: int, reshard: bool, meta: bool
+    impl: str,
+    *,
+    pre_version: int,
+    reshard: bool,
+    meta: bool,
+    offload: bool = False,
+    accumulate: int = 1,
 ) -> dict[str, list[Any]]:
     api = _api(impl)
     torch.manual_seed(42)
@@ -283,10 +298,12 @@ def _two_tensor_case(
     kwargs: dict[str, Any] = {"reshard_after_forward": reshard}
     if meta:
         kwargs["mp_policy"] = api.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    if offload:
+        kwargs["offload_policy"] = api.CPUOffloadPolicy(pin_memory=False)
     _shard_all(api, model, **kwargs)
     if meta:
         _init_after_to_empty(model)
-    return _train(model, 8, {"foreach": True})
+    return _train(model, 8, {"foreach": True}, accumulate=accumulate)
 
 
 def _monkey_patch_case(impl: str) -> tuple[dict[str, list[Any]], int]:
@@ -372,6 +389,9 @@ def _two_tensor_rank() -> dict[str, tuple[bool, float]]:
                     _two_tensor_case, pre_version=version, reshard=reshard, meta=meta
                 )
                 out[f"v{version}_reshard_{reshard}_meta_{meta}"] = _compare_both(case)
+    offload = functools.partial(_two_tensor_case, pre_version=2, reshard=True, meta=False)
+    out["cpu_offload"] = _compare_both(functools.partial(offload, offload=True))
+    out["accumulate_no_sync"] = _compare_both(functools.partial(offload, accumulate=2))
     return out
 
 
@@ -468,7 +488,8 @@ def _assert_equal(results: list[dict[str, tuple[bool, float]]]) -> None:
 
 
 def test_two_tensor_extensions_match_torch() -> None:
-    """Both signatures, two inputs per parameter, out= reuse, reshard or not, meta + bf16."""
+    """Both signatures, two inputs per parameter, out= reuse, reshard or not, meta + bf16,
+    CPU offload, gradient accumulation without sync."""
     _assert_equal(run_ranks(_two_tensor_rank, 2, timeout=120))
 
 
