@@ -28,6 +28,12 @@ A parameter ``p`` of a group keeps two ``nn.Parameter`` objects for its whole li
 What ``fully_shard`` cuts (``shape``, the layout's entry) is the parameter
 itself, or for a tensor-parallel one its tp-local tensor.
 
+A parameter with all-gather extensions (or of a tensor subclass) is the
+exception to both forms ([Note: all-gather extensions] in ``_extensions.py``):
+its local tensor is its own padded chunk (the subclass), not a view into a
+region, and its unsharded leaf is what its ``fsdp_post_all_gather`` built from
+the gathered outputs (no ``buf``).
+
 The module's attribute (and every other module's that shares the parameter)
 holds ``sharded`` or ``unsharded`` by the group's state, swapped in the
 modules' ``_parameters`` directly.

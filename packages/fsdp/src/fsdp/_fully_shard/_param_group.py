@@ -8,7 +8,9 @@ all-gather and (if trainable) one reduce-scatter. Usually there is one part;
 frozen parameters get a part of their own so they cost no gradient bytes and
 take no part in the reduction, and parameters of another dtype (a bf16 buffer
 promoted to a parameter, an int8 table) one each, where torch's FSDP2 packs
-them into one all-gather of bytes.
+them into one all-gather of bytes. Parameters with all-gather extensions (or
+of a tensor subclass) form parts of their own, whose gather is the
+extension's ([Note: all-gather extensions] in ``_extensions.py``).
 
 [Note: group states]
 The group's parameters are in one :class:`GroupState` at a time, and the group
