@@ -1,6 +1,7 @@
 """Our ``fully_shard`` seen by torch's composable APIs ([Note: torch's composable registry]).
 
-torch's ``replicate()`` over a model whose blocks ``fully_shard`` sharded must
+torch's ``replicate()`` (both: over DDP, and ``replicate_with_fsdp``'s over torch's
+FSDP2 runtime) over a model whose blocks ``fully_shard`` sharded must
 leave the blocks' (sharded) parameters to ``fully_shard`` and replicate the
 rest with DDP. It finds them through torch's composable registry; were ours not
 registered there, ``replicate`` would also all-reduce the blocks' local shards
@@ -25,12 +26,20 @@ from tests.ranks import run_ranks
 STEPS = 3
 
 
-def _build(impl: str) -> nn.Module:
+def _build(impl: str, replicate_api: str = "ddp") -> nn.Module:
+    """``Net`` with each block sharded by ``impl``'s fully_shard and the model replicated by
+    torch's ``replicate`` (``"ddp"``: ``torch.distributed._composable.replicate``, over DDP;
+    ``"fsdp"``: ``replicate_with_fsdp.replicate``, over torch's FSDP2 runtime)."""
     if impl == "torch":
         from torch.distributed.fsdp import fully_shard
     else:
         from fsdp import fully_shard  # type: ignore[assignment]
-    from torch.distributed._composable import replicate
+    if replicate_api == "ddp":
+        from torch.distributed._composable import replicate
+    else:
+        from torch.distributed._composable.replicate_with_fsdp import (  # type: ignore[assignment]
+            replicate,
+        )
 
     torch.manual_seed(0)
     model = Net(n_blocks=3)
@@ -71,9 +80,9 @@ def _registry_rank() -> list[str]:
     return list(names)
 
 
-def _parity_rank() -> dict[str, tuple[bool, float]]:
-    ref = _train(_build("torch"))
-    ours = _train(_build("ours"))
+def _parity_rank(replicate_api: str) -> dict[str, tuple[bool, float]]:
+    ref = _train(_build("torch", replicate_api))
+    ours = _train(_build("ours", replicate_api))
     return {"replicate_over_fully_shard": compare(ref, ours)}
 
 
@@ -83,7 +92,7 @@ def test_replicate_skips_our_sharded_parameters() -> None:
     assert names == [expected, expected]
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_replicate_over_fully_shard_matches_torch(world_size: int) -> None:
-    results = run_ranks(_parity_rank, world_size, timeout=120)
+@pytest.mark.parametrize(("replicate_api", "world_size"), [("ddp", 2), ("ddp", 4), ("fsdp", 2)])
+def test_replicate_over_fully_shard_matches_torch(replicate_api: str, world_size: int) -> None:
+    results = run_ranks(_parity_rank, world_size, replicate_api, timeout=120)
     assert_parity(results, ["replicate_over_fully_shard"], world_size, lambda _: 1e-5)
