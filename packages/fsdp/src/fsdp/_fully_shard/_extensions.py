@@ -83,7 +83,10 @@ def is_extension_param(p: Tensor) -> bool:
     methods, or of a tensor subclass (whose methods may come later, on its local tensor)."""
     if isinstance(p, DTensor):
         return False
-    return has_extension(p) or type(p) not in (torch.Tensor, nn.Parameter)
+    # nn.Parameter(subclass instance) keeps the subclass's type; a Parameter subclass of
+    # its own holds plain data.
+    kind = type(p)
+    return has_extension(p) or not (kind is torch.Tensor or issubclass(kind, nn.Parameter))
 
 
 @dataclass
