@@ -18,6 +18,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
+from fsdp._fully_shard import _composable
+from fsdp._fully_shard._extensions import has_extension, is_extension_param
 from fsdp._fully_shard._mesh import (
     InvalidArgumentError,
     MeshInfo,
@@ -166,9 +168,10 @@ def fully_shard(
             mp=mp,
             offload=offload,
         )
-    FullyShardState(
+    state = FullyShardState(
         modules, group, mesh=info, device=device, mp=mp, auto_reshard_after_forward=auto
     )
+    _composable.register(modules, fully_shard, state)  # [Note: torch's composable registry]
     release_freed_host_memory()  # the originals' memory: see [Note: construction RSS]
     for m in managed:
         m.__dict__["_is_fsdp_managed_module"] = True  # as torch's, for Dynamo's checks
@@ -215,7 +218,7 @@ def _check_module(module: nn.Module) -> None:
         raise ValueError(
             f"fully_shard does not support containers that do not implement forward: {module}"
         )
-    if state_of(module) is not None:
+    if state_of(module) is not None or _composable.is_fully_sharded(module):
         raise InvalidArgumentError(
             "Each distinct composable distributed API can only be applied to a module once. "
             f"fully_shard was already applied to this {type(module).__name__}: apply it once "
@@ -238,6 +241,8 @@ def _managed_modules(roots: tuple[nn.Module, ...], ignored: set[nn.Parameter]) -
         seen.add(id(m))
         for child in m.children():
             if id(child) in seen or state_of(child) is not None:
+                continue
+            if _composable.is_replicated(child):  # torch's replicate() owns it, as in torch's
                 continue
             visit(child)
         out.append(m)
@@ -281,12 +286,13 @@ def _managed_params(modules: Iterable[nn.Module], ignored: set[nn.Parameter]) ->
                     "fully_shard doesn't support scalar parameters. "
                     f"Change {name} to a 1D tensor with numel equal to 1."
                 )
-            if hasattr(p, "fsdp_pre_all_gather") or hasattr(p, "fsdp_post_all_gather"):
+            has_extension(p)  # both methods or neither: [Note: all-gather extensions]
+            if isinstance(p, DTensor) and is_extension_param(p._local_tensor):
                 raise NotImplementedError(
-                    f"parameter {name!r} is a {type(p).__name__} with fsdp_pre_all_gather / "
-                    "fsdp_post_all_gather (FSDP2's all-gather extensions, e.g. float8 "
-                    "training): not supported by this implementation, which gathers the "
-                    "parameter's own data; use a plain tensor parameter"
+                    f"parameter {name!r} is a DTensor (tensor parallelism) whose local tensor "
+                    f"is a {type(p._local_tensor).__name__} (an all-gather extension or tensor "
+                    "subclass): not supported by this implementation; use extensions on "
+                    "plain (not tensor-parallel) parameters, or plain local tensors"
                 )
             if isinstance(p, DTensor):
                 check_dtensor_param(name, p)  # tensor parallelism: see _tensor_parallel.py

@@ -28,6 +28,12 @@ A parameter ``p`` of a group keeps two ``nn.Parameter`` objects for its whole li
 What ``fully_shard`` cuts (``shape``, the layout's entry) is the parameter
 itself, or for a tensor-parallel one its tp-local tensor.
 
+A parameter with all-gather extensions (or of a tensor subclass) is the
+exception to both forms ([Note: all-gather extensions] in ``_extensions.py``):
+its local tensor is its own padded chunk (the subclass), not a view into a
+region, and its unsharded leaf is what its ``fsdp_post_all_gather`` built from
+the gathered outputs (no ``buf``).
+
 The module's attribute (and every other module's that shares the parameter)
 holds ``sharded`` or ``unsharded`` by the group's state, swapped in the
 modules' ``_parameters`` directly.
@@ -45,7 +51,7 @@ from torch.distributed.tensor import DTensor, Placement, Shard
 
 from fsdp._fully_shard._tensor_parallel import TensorParallelSpec, wrap_local
 
-__all__ = ["ParamSite", "ShardedParam", "local_tensor", "set_local_tensor"]
+__all__ = ["ParamSite", "ShardedParam", "local_object", "local_tensor", "set_local_tensor"]
 
 
 @dataclass
@@ -146,6 +152,12 @@ def local_tensor(p: Tensor) -> Tensor:
     """``p``'s local tensor (the tensor itself, not an autograd view)."""
     with torch.no_grad():
         return p.to_local() if isinstance(p, DTensor) else p
+
+
+def local_object(p: Tensor) -> Tensor:
+    """``p``'s local tensor object itself (``to_local()`` returns another object): where
+    methods set on it live ([Note: all-gather extensions] in ``_extensions.py``)."""
+    return p._local_tensor if isinstance(p, DTensor) else p
 
 
 def set_local_tensor(p: DTensor, local: Tensor) -> None:

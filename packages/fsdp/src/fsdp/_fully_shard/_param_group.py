@@ -8,7 +8,9 @@ all-gather and (if trainable) one reduce-scatter. Usually there is one part;
 frozen parameters get a part of their own so they cost no gradient bytes and
 take no part in the reduction, and parameters of another dtype (a bf16 buffer
 promoted to a parameter, an int8 table) one each, where torch's FSDP2 packs
-them into one all-gather of bytes.
+them into one all-gather of bytes. Parameters with all-gather extensions (or
+of a tensor subclass) form parts of their own, whose gather is the
+extension's ([Note: all-gather extensions] in ``_extensions.py``).
 
 [Note: group states]
 The group's parameters are in one :class:`GroupState` at a time, and the group
@@ -34,7 +36,7 @@ gathers again instead of using stale values.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from enum import Enum, auto
 from typing import Any, cast
 
@@ -43,8 +45,14 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from flatparam import ChunkLayout
+from fsdp._fully_shard._extensions import ExtensionGather, has_extension, is_extension_param
 from fsdp._fully_shard._mesh import MeshInfo
-from fsdp._fully_shard._param import ShardedParam, local_tensor, set_local_tensor
+from fsdp._fully_shard._param import (
+    ShardedParam,
+    local_object,
+    local_tensor,
+    set_local_tensor,
+)
 from fsdp._fully_shard._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from fsdp._runtime._collectives import gradient_divide_factors
 from fsdp._runtime._device import pins_host_memory
@@ -95,8 +103,18 @@ class GroupPart:
     # Reduce-scattered gradients not yet all-reduced across replicas (set_requires_all_reduce).
     partial: Tensor | None
     gathered_version: int  # data_version() when its last gather was issued
+    # A part of extension parameters: its gather ([Note: all-gather extensions]); the
+    # storage then only reduces gradients, and its shard is an empty placeholder.
+    extension: ExtensionGather | None
 
-    def __init__(self, group: ParamGroup, params: list[ShardedParam], trainable: bool) -> None:
+    def __init__(
+        self,
+        group: ParamGroup,
+        params: list[ShardedParam],
+        trainable: bool,
+        *,
+        extension: bool = False,
+    ) -> None:
         self.group = group
         self.params = params
         self.trainable = trainable
@@ -104,23 +122,42 @@ class GroupPart:
         self.post_layout = None
         self.post_storage = None
         self.gathered_version = -1
+        self.extension = None
+        if extension:
+            self.extension = ExtensionGather(
+                params,
+                ChunkLayout.build([], group.mesh.shard_size),
+                group.mesh,
+                device=group.device,
+                mp_policy=group.mp,
+                offload=group.offload_to_cpu,
+            )
 
     # --- construction and re-synchronisation ------------------------------------------------
 
-    def drop(self, index: int) -> None:
-        """Remove parameter ``index`` (see [Note: tied parameters across fully_shard calls]):
-        the others move into a new region, each with its own local chunk."""
-        keep = [p for i, p in enumerate(self.params) if i != index]
+    def drop(self, indices: Collection[int]) -> None:
+        """Remove the parameters at ``indices`` (see [Note: tied parameters across fully_shard
+        calls], and extensions set on a local tensor later, ``ParamGroup.adopt_extensions``):
+        the others move into a new region, each with its own local chunk; the removed ones'
+        local tensors stay as they are (views of the old region)."""
+        keep = [p for i, p in enumerate(self.params) if i not in indices]
         if not keep:
             self.params = []
             return
         g = self.group
-        old_views = self.layout.local_views(self.storage.shard, g.mesh.shard_rank)
-        kept_views = [v for i, v in enumerate(old_views) if i != index]
-        self.params = keep
-        self.layout = ChunkLayout.build(
+        layout = ChunkLayout.build(
             [p.shape for p in keep], g.mesh.shard_size, [p.placement.dim for p in keep]
         )
+        if self.extension is not None:
+            self.params = self.extension.params = keep
+            self.extension.drop(indices, layout)
+            self.layout = layout
+            self._make_storage(self._placeholder(self.storage.shard))
+            return
+        old_views = self.layout.local_views(self.storage.shard, g.mesh.shard_rank)
+        kept_views = [v for i, v in enumerate(old_views) if i not in indices]
+        self.params = keep
+        self.layout = layout
         region = self._new_region(self.storage.shard)
         new_views = self.layout.local_views(region, g.mesh.shard_rank)
         with torch.no_grad():
@@ -141,6 +178,16 @@ class GroupPart:
             g.mesh.shard_size,
             [p.placement.dim for p in self.params],
         )
+        ext = self.extension
+        if ext is not None:
+            ext.layout = self.layout
+            device = self._region_device(tensors[0])
+            locals_ = ext.build(tensors, g.mesh.shard_rank, device)
+            self._make_storage(self._placeholder(tensors[0]))
+            for p, local, rg in zip(self.params, locals_, requires_grad, strict=True):
+                p.make_sharded(local, rg)
+                p.site.set(p.sharded)
+            return
         region = self._new_region(tensors[0])
         if region.device.type != "meta":
             self.layout.shard([t.detach() for t in tensors], g.mesh.shard_rank, out=region)
@@ -150,11 +197,47 @@ class GroupPart:
             p.make_sharded(view, rg)
             p.site.set(p.sharded)
 
+    def adopt(self, locals_: Sequence[Tensor], padded: Sequence[Tensor]) -> None:
+        """Take parameters whose local tensors (``locals_``, each a prefix of ``padded``, its
+        chunk with the padding rows) stay as they are: an extension part's parameters moved
+        out of a region (``ParamGroup.adopt_extensions``)."""
+        g = self.group
+        ext = self.extension
+        assert ext is not None
+        self.layout = ChunkLayout.build(
+            [p.shape for p in self.params],
+            g.mesh.shard_size,
+            [p.placement.dim for p in self.params],
+        )
+        ext.layout = self.layout
+        ext.adopt(locals_, padded)
+        for p in self.params:
+            p.unsharded = p.buf = None  # a leaf of the extension's making from now on
+        self._make_storage(self._placeholder(padded[0]))
+
+    def padded_local(self, i: int) -> Tensor:
+        """Parameter ``i``'s slot in this rank's region, as its padded chunk."""
+        layout = self.layout
+        slot = self.storage.shard.narrow(0, layout.offset(i), layout.slot_numel(i))
+        return slot.view(layout.padded_local_shape(i))
+
+    def _region_device(self, like: Tensor) -> torch.device:
+        """Where sharded data lives: the host under CPU offload, else the compute device
+        (meta stays meta, for deferred initialisation)."""
+        if like.device.type == "meta":
+            return like.device
+        return torch.device("cpu") if self.group.offload_to_cpu else self.group.device
+
+    def _placeholder(self, like: Tensor) -> Tensor:
+        """An extension part's storage shard: the region's dtype, size and device, no memory
+        (the storage reads only those; the parameters keep their own local tensors)."""
+        shard = torch.empty(self.layout.shard_numel, dtype=like.dtype, device=like.device)
+        free_storage(shard)
+        return shard
+
     def _new_region(self, like: Tensor) -> Tensor:
         g = self.group
-        device = like.device
-        if device.type != "meta":
-            device = torch.device("cpu") if g.offload_to_cpu else g.device
+        device = self._region_device(like)
         region = torch.zeros(self.layout.shard_numel, dtype=like.dtype, device=device)
         if g.pin_memory and device.type == "cpu" and pins_host_memory(g.device):
             region = region.pin_memory()
@@ -169,6 +252,8 @@ class GroupPart:
         self.compute_dtype = param_dtype
         self.reduce_dtype = g.mp.reduce_dtype or param_dtype
         self.storage = self._storage(region, self.layout, g.mesh, offload=g.offload_to_cpu)
+        if self.extension is not None:
+            self.extension.compute_dtype = self.compute_dtype
         self.make_post_storage()
         self.update_reduction()
 
@@ -176,7 +261,8 @@ class GroupPart:
         """The storage of the copy kept between forward and backward under an int
         ``reshard_after_forward`` (none otherwise); its shard is allocated only then."""
         g = self.group
-        if g.post_forward is None or g.post_forward is g.mesh:
+        if g.post_forward is None or g.post_forward is g.mesh or self.extension is not None:
+            # An extension part gathers its full shard again in backward (as torch's can).
             self.post_layout = self.post_storage = None
             return
         info = g.post_forward
@@ -243,6 +329,9 @@ class GroupPart:
                 for module, name in p.site.shared:
                     module._parameters[name] = p.sharded
             current.append(p.sharded)
+        if self.extension is not None:
+            self.extension.sync(current, g.mesh.shard_rank)
+            return
         locals_ = [local_tensor(p) for p in current]
         if any(t.is_meta for t in locals_):
             return  # still to be materialised (to_empty); the lazy init checks
@@ -270,10 +359,13 @@ class GroupPart:
 
     def start_gather(self, post_forward: bool) -> None:
         """Issue this part's all-gather (from the post-forward copy if ``post_forward``)."""
-        storage = self.post_storage if post_forward else self.storage
-        assert storage is not None
         if not post_forward:
             self.gathered_version = self.data_version()
+        if self.extension is not None:
+            self.extension.start_gather()
+            return
+        storage = self.post_storage if post_forward else self.storage
+        assert storage is not None
         storage.start_gather()
 
     def data_version(self) -> int:
@@ -286,6 +378,18 @@ class GroupPart:
     def finish_gather(self, post_forward: bool) -> None:
         """Wait, copy every parameter out of the gathered buffer, free it; register the
         unsharded leaves (see [Note: fully_shard parameter forms])."""
+        if self.extension is not None:
+            self.extension.finish_gather()
+        else:
+            self._copy_out(post_forward)
+        for p in self.params:
+            leaf = p.unsharded
+            assert leaf is not None
+            if leaf.requires_grad != p.sharded.requires_grad:
+                leaf.requires_grad_(p.sharded.requires_grad)
+            p.site.set(leaf)
+
+    def _copy_out(self, post_forward: bool) -> None:
         storage = self.post_storage if post_forward else self.storage
         layout = self.post_layout if post_forward else self.layout
         assert storage is not None and layout is not None
@@ -296,12 +400,6 @@ class GroupPart:
         storage.free_gathered()
         if post_forward:
             free_storage(storage.shard)
-        for p in self.params:
-            leaf = p.unsharded
-            assert leaf is not None and p.buf is not None
-            if leaf.requires_grad != p.sharded.requires_grad:
-                leaf.requires_grad_(p.sharded.requires_grad)
-            p.site.set(leaf)
 
     def _alloc_buf(self, i: int, p: ShardedParam, layout: ChunkLayout) -> Tensor:
         """Parameter ``i``'s padded unsharded storage, allocated; a view of the prefix the
@@ -320,6 +418,9 @@ class GroupPart:
 
     def free_unsharded(self) -> None:
         """Free every unsharded leaf's storage (the leaves stay, see the note)."""
+        if self.extension is not None:
+            self.extension.free()
+            return
         for p in self.params:
             if p.buf is not None:
                 free_storage(p.buf)
@@ -335,6 +436,8 @@ class GroupPart:
 
     def unsharded_bytes(self) -> int:
         """Bytes of gathered and unsharded storage this part holds now."""
+        if self.extension is not None:
+            return self.extension.nbytes()
         total = self.storage.gathered_bytes
         for p in self.params:
             if p.buf is not None:
@@ -513,11 +616,12 @@ class ParamGroup:
         self.all_reduce_hook = None
         self._gathering_post_forward = False
         self.parts = []
-        by_key: dict[tuple[torch.dtype, bool], list[int]] = {}
+        by_key: dict[tuple[torch.dtype, bool, bool], list[int]] = {}
         for i, t in enumerate(tensors):
-            by_key.setdefault((t.dtype, t.requires_grad), []).append(i)
-        for (_, trainable), idx in by_key.items():
-            part = GroupPart(self, [params[i] for i in idx], trainable)
+            key = (t.dtype, t.requires_grad, is_extension_param(t))
+            by_key.setdefault(key, []).append(i)
+        for (_, trainable, extension), idx in by_key.items():
+            part = GroupPart(self, [params[i] for i in idx], trainable, extension=extension)
             data = [local_tensor(tensors[i]) for i in idx]  # a tp parameter: its local piece
             part.build(data, [tensors[i].requires_grad for i in idx])
             self.parts.append(part)
@@ -556,7 +660,7 @@ class ParamGroup:
             for i, p in enumerate(part.params):
                 if p.orig is not None and p.orig() is orig:
                     p.site.set(orig)
-                    part.drop(i)
+                    part.drop({i})
                     self.params.remove(p)
                     break
         self.parts = [part for part in self.parts if part.params]
@@ -599,10 +703,34 @@ class ParamGroup:
             return False
         return any(part.data_version() != part.gathered_version for part in self.parts)
 
+    def adopt_extensions(self) -> None:
+        """Move parameters whose local tensors got the all-gather extension's methods after
+        ``fully_shard`` (set on the local tensor object, as torch's tests do) out of their
+        region into an extension part, keeping their local tensor objects; see [Note:
+        all-gather extensions]."""
+        for part in list(self.parts):
+            if part.extension is not None:
+                continue
+            hooked = [
+                i for i, p in enumerate(part.params) if has_extension(local_object(p.sharded))
+            ]
+            if not hooked:
+                continue
+            moved = [part.params[i] for i in hooked]
+            locals_ = [local_object(p.sharded) for p in moved]
+            padded = [part.padded_local(i) for i in hooked]
+            part.drop(set(hooked))
+            new = GroupPart(self, moved, part.trainable, extension=True)
+            new.adopt(locals_, padded)
+            self.parts.append(new)
+        self.parts = [part for part in self.parts if part.params]
+
     def unshard(self) -> None:
         """Issue the all-gathers (-> UNSHARDING); no-op unless SHARDED or SHARDED_POST_FORWARD."""
         if self.state not in (GroupState.SHARDED, GroupState.SHARDED_POST_FORWARD):
             return
+        if self.state is GroupState.SHARDED:
+            self.adopt_extensions()
         post = self.state is GroupState.SHARDED_POST_FORWARD
         for part in self.parts:
             part.start_gather(post and part.post_storage is not None)

@@ -69,9 +69,9 @@ from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
+from torch.distributed._composable_state import _State
 
 from fsdp._fully_shard._mesh import MeshInfo
-from fsdp._fully_shard._param import local_tensor
 from fsdp._fully_shard._param_group import GroupState, ParamGroup
 from fsdp._fully_shard._policies import MixedPrecisionPolicy
 from fsdp._fully_shard._saved_params import SavedParamsWatch
@@ -128,9 +128,10 @@ class IterationContext:
         self.post_optim_event: Any = None  # accepted, see FSDPModule.set_post_optim_event
 
 
-class FullyShardState:
+class FullyShardState(_State):
     """Hooks and phase of one ``fully_shard`` call; see [Note: one fully_shard step] and
-    [Note: several modules, one group]."""
+    [Note: several modules, one group]. A ``_State`` of torch's composable APIs, which
+    find it through the module ([Note: torch's composable registry] in ``_composable.py``)."""
 
     modules: tuple[nn.Module, ...]  # the modules fully_shard was applied to (usually one)
     module: nn.Module  # the first of them
@@ -650,15 +651,6 @@ def _storages(states: list[FullyShardState]) -> list[ShardedStorage]:
 
 
 def _check_materialized(group: ParamGroup) -> None:
-    patched = [
-        p.fqn for p in group.params if hasattr(local_tensor(p.sharded), "fsdp_pre_all_gather")
-    ]
-    if patched:
-        raise NotImplementedError(
-            f"the local tensors of {patched} have fsdp_pre_all_gather (FSDP2's all-gather "
-            "extensions): not supported by this implementation, which gathers the parameters' "
-            "own data; remove the extension"
-        )
     on_meta = [p.fqn for p in group.params if p.sharded.device.type == "meta"]
     if on_meta:
         raise RuntimeError(

@@ -1,0 +1,69 @@
+"""Where torch's composable APIs look for ``fully_shard``: its registry and module states.
+
+[Note: torch's composable registry]
+torch's composable APIs (``fully_shard``, ``replicate``, ``checkpoint``) leave
+two marks on each module they are applied to, and read each other's:
+
+- a *registry*: an ordered dict in the module's ``__dict__`` under
+  ``torch.distributed._composable.contract.REGISTRY_KEY``, keyed by the API's
+  function name (``"fully_shard"``), which ``_get_registry(module)`` returns.
+  torch's ``replicate()`` asks it (``_is_fully_sharded``) to leave the
+  parameters of every ``fully_shard`` module to that API; without our entry it
+  would also take the sharded ``DTensor`` parameters into its DDP reducer and
+  all-reduce their local shards as if they were whole (a wrong result, no
+  error). torch's ``fully_shard`` in turn skips modules registered as
+  ``"replicate"``, and so does ours.
+- a *state*: the module maps to its state object in
+  ``torch.distributed._composable_state`` (``_insert_module_state`` /
+  ``_get_module_state``), and in an ordered dict under ``contract.STATE_KEY``
+  keyed by the API's function (what ``fully_shard.state(module)`` reads).
+
+torch records both in its ``contract`` decorator, before the API runs; ours
+records them once ``fully_shard`` has succeeded, so a refused call leaves no
+mark and a module is never half registered.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from torch import nn
+from torch.distributed._composable.contract import (
+    REGISTRY_KEY,
+    STATE_KEY,
+    RegistryItem,
+    _get_registry,
+)
+from torch.distributed._composable_state import _get_module_state, _insert_module_state, _State
+
+__all__ = ["API_NAME", "is_fully_sharded", "is_replicated", "register"]
+
+API_NAME = "fully_shard"
+"""The registry key torch's composable APIs look for (the function's ``__name__``)."""
+
+
+def register(modules: Iterable[nn.Module], api: Callable[..., Any], state: _State) -> None:
+    """Record ``api`` with ``state`` on every module of one call, as torch's ``contract`` does
+    (one registry item and one state shared by the call's modules)."""
+    item = RegistryItem()
+    for module in modules:
+        registry = module.__dict__.setdefault(REGISTRY_KEY, OrderedDict())
+        registry.setdefault(API_NAME, item)
+        states = module.__dict__.setdefault(STATE_KEY, OrderedDict())
+        states.setdefault(api, state)
+        if _get_module_state(module) is None:  # replicate() may have inserted its own
+            _insert_module_state(module, state)
+
+
+def is_fully_sharded(module: nn.Module) -> bool:
+    """Whether a ``fully_shard`` (ours or torch's) was applied to ``module``."""
+    registry = _get_registry(module)
+    return registry is not None and API_NAME in registry
+
+
+def is_replicated(module: nn.Module) -> bool:
+    """Whether torch's ``replicate()`` manages ``module`` (``fully_shard`` leaves it alone)."""
+    registry = _get_registry(module)
+    return registry is not None and "replicate" in registry
