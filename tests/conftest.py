@@ -58,3 +58,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         action="store_true",
         help="tests/fuzz: thousands of random examples per front end instead of CI's fixed few",
     )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``--long``: the fuzzer's long run is one test per front end and world size that
+    runs for an hour or more; each example still has its own limit (``run_ranks``)."""
+    if not config.getoption("--long"):
+        return
+    for item in items:
+        if item.nodeid.startswith("tests/fuzz/"):
+            item.add_marker(pytest.mark.timeout(6 * 3600))
