@@ -48,6 +48,7 @@ from fsdp._fully_shard._param import ShardedParam, local_tensor, set_local_tenso
 from fsdp._fully_shard._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from fsdp._runtime._collectives import gradient_divide_factors
 from fsdp._runtime._device import pins_host_memory
+from fsdp._runtime._quantize import QuantizedCommPolicy
 from fsdp._runtime._sharded_storage import (
     PendingReduce,
     ShardedStorage,
@@ -168,7 +169,9 @@ class GroupPart:
             param_dtype = self.orig_dtype
         self.compute_dtype = param_dtype
         self.reduce_dtype = g.mp.reduce_dtype or param_dtype
-        self.storage = self._storage(region, self.layout, g.mesh, offload=g.offload_to_cpu)
+        self.storage = self._storage(
+            region, self.layout, g.mesh, offload=g.offload_to_cpu, comm_policy=g.comm_policy
+        )
         self.make_post_storage()
         self.update_reduction()
 
@@ -188,7 +191,13 @@ class GroupPart:
         self.post_storage = self._storage(post_region, self.post_layout, info, offload=False)
 
     def _storage(
-        self, region: Tensor, layout: ChunkLayout, info: MeshInfo, *, offload: bool
+        self,
+        region: Tensor,
+        layout: ChunkLayout,
+        info: MeshInfo,
+        *,
+        offload: bool,
+        comm_policy: QuantizedCommPolicy | None = None,  # the post-forward copy's: exact
     ) -> ShardedStorage:
         g = self.group
         return ShardedStorage(
@@ -205,6 +214,7 @@ class GroupPart:
             replicate_group=info.replicate_group if info.replicate_size > 1 else None,
             replicate_size=info.replicate_size,
             record_streams=False,
+            comm_policy=comm_policy,
         )
 
     def update_reduction(self) -> None:
@@ -468,6 +478,7 @@ class ParamGroup:
     post_forward: MeshInfo | None  # where parameters go after forward; None: kept unsharded
     device: torch.device  # compute device
     mp: MixedPrecisionPolicy
+    comm_policy: QuantizedCommPolicy | None  # quantized gathers and reductions, or None
     offload_to_cpu: bool
     pin_memory: bool
     state: GroupState
@@ -493,8 +504,10 @@ class ParamGroup:
         device: torch.device,
         mp: MixedPrecisionPolicy,
         offload: OffloadPolicy,
+        comm_policy: QuantizedCommPolicy | None = None,
     ) -> None:
         self.modules = modules
+        self.comm_policy = comm_policy
         self.params = params
         self.mesh = mesh
         self.post_forward = post_forward
