@@ -184,6 +184,58 @@ def _training_case(front: str, policy: Any) -> tuple[list[float], dict[str, Tens
     return losses, _full_params(front, model)
 
 
+class _WireCounter:
+    """Bytes this rank sends through the collectives FSDP issues, while installed.
+
+    A broadcast's root sends its tensor to each other rank; an all-to-all sends
+    all but its own chunk; an all-reduce about twice its tensor (a ring). On gloo
+    our FSDP issues only these ([Note: gloo's sharded collectives]).
+    """
+
+    def __init__(self) -> None:
+        self.sent = 0
+        world, me = dist.get_world_size(), dist.get_rank()
+        originals = {
+            name: getattr(dist, name) for name in ("broadcast", "all_to_all_single", "all_reduce")
+        }
+        self._originals = originals
+
+        def broadcast(t: Tensor, src: int, *args: Any, **kwargs: Any) -> Any:
+            if src == me:
+                self.sent += t.numel() * t.element_size() * (world - 1)
+            return originals["broadcast"](t, src, *args, **kwargs)
+
+        def all_to_all_single(out: Tensor, inp: Tensor, *args: Any, **kwargs: Any) -> Any:
+            self.sent += inp.numel() * inp.element_size() * (world - 1) // world
+            return originals["all_to_all_single"](out, inp, *args, **kwargs)
+
+        def all_reduce(t: Tensor, *args: Any, **kwargs: Any) -> Any:
+            self.sent += 2 * t.numel() * t.element_size() * (world - 1) // world
+            return originals["all_reduce"](t, *args, **kwargs)
+
+        dist.broadcast = broadcast
+        dist.all_to_all_single = all_to_all_single
+        dist.all_reduce = all_reduce
+
+    def remove(self) -> None:
+        for name, fn in self._originals.items():
+            setattr(dist, name, fn)
+
+
+def _step_bytes(front: str, policy: Any, **mp: Any) -> int:
+    """Bytes this rank sends in one training step of a model with 64-wide blocks."""
+    torch.manual_seed(0)
+    model = _wrap(front, Net(3, 64), policy, **mp)
+    ((x, y),) = batches(1)
+    loss_fn(model(x), y).backward()  # the first step: lazy initialisation, not counted
+    counter = _WireCounter()
+    try:
+        loss_fn(model(x), y).backward()
+    finally:
+        counter.remove()
+    return counter.sent
+
+
 def _rank_parity(world: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     out: dict[str, Any] = {}
@@ -202,6 +254,14 @@ def _rank_parity(world: int) -> dict[str, Any]:
             "loss_rel": max(abs(a - b) / b for a, b in zip(q_losses, exact_losses, strict=True)),
             "param": _max_err(q_params, exact_params),
         }
+        import fsdp
+
+        bf16 = torch.bfloat16
+        out[f"{front}/bytes"] = {
+            "fp32": _step_bytes(front, None),
+            "bf16": _step_bytes(front, None, param_dtype=bf16, reduce_dtype=bf16),
+            "int8": _step_bytes(front, fsdp.QuantizedCommPolicy()),
+        }
     return out
 
 
@@ -213,6 +273,9 @@ def test_parity_within_the_stated_bounds(world: int) -> None:
             if key.endswith("/weights"):
                 assert 0 < r["err"] <= r["m_w"] / 254 * SLACK + ATOL, (key, r)
                 assert r["master_changed"] == 0, (key, r)
+            elif key.endswith("/bytes"):
+                assert 0 < r["int8"] <= 0.3 * r["fp32"], (key, r)
+                assert r["int8"] <= 0.55 * r["bf16"], (key, r)
             elif key.endswith("/train"):
                 assert r["none_same"], key
                 assert r["loss_rel"] < 0.01, (key, r)
