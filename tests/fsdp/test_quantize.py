@@ -130,3 +130,13 @@ def test_policy_refuses_bad_values(kwargs: dict[str, object], error: type, says:
 def test_policy_defaults() -> None:
     policy = fsdp.QuantizedCommPolicy()
     assert (policy.weights, policy.gradients, policy.block_size) == ("int8", "int8", 256)
+
+
+def test_front_ends_refuse_a_bad_comm_policy() -> None:
+    """Checked before any process group is needed: the type error names the fix."""
+    from torch import nn
+
+    with pytest.raises(TypeError, match=r"comm_policy must be a fsdp.QuantizedCommPolicy"):
+        fsdp.fully_shard(nn.Linear(2, 2), comm_policy="int8")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"comm_policy must be a fsdp.QuantizedCommPolicy"):
+        fsdp.FullyShardedDataParallel(nn.Linear(2, 2), comm_policy="int8")  # type: ignore[arg-type]

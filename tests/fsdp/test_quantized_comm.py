@@ -286,3 +286,27 @@ def test_parity_within_the_stated_bounds(world: int) -> None:
                     assert 0 < r["err"] <= 0.02 * r["m_g"], (key, r)
                 else:
                     assert 0 < r["err"] <= bound * SLACK + ATOL, (key, r)
+
+
+def _rank_disagree() -> dict[str, str]:
+    """Rank 0 quantizes, rank 1 does not: both raise before any gather of unequal sizes."""
+    import fsdp
+
+    out = {}
+    for front in ("fsdp1", "fsdp2"):
+        policy = _policy("int8", "int8") if dist.get_rank() == 0 else None
+        model = _wrap(front, _net(), policy)
+        ((x, _),) = batches(1)
+        try:
+            model(x)
+        except fsdp.RankDisagreementError as exc:
+            out[front] = str(exc)
+        else:
+            out[front] = "no error"
+    return out
+
+
+def test_ranks_that_disagree_on_the_policy_raise() -> None:
+    for rank_out in run_ranks(_rank_disagree, 2):
+        for front, message in rank_out.items():
+            assert "comm_policy" in message and "rank 0" in message, (front, message)
