@@ -140,3 +140,17 @@ def test_front_ends_refuse_a_bad_comm_policy() -> None:
         fsdp.fully_shard(nn.Linear(2, 2), comm_policy="int8")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"comm_policy must be a fsdp.QuantizedCommPolicy"):
         fsdp.FullyShardedDataParallel(nn.Linear(2, 2), comm_policy="int8")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("numel", "block_size"), [(0, 8), (5, 8), (64, 8), (1000, 256)])
+def test_decode_sum_adds_the_rows_in_order(numel: int, block_size: int) -> None:
+    codec = BlockCodec(numel, block_size)
+    rows = torch.randn(4, numel, generator=torch.Generator().manual_seed(2))
+    wire = torch.empty(4, codec.nbytes, dtype=torch.uint8)
+    codec.encode(rows, wire)
+    each = torch.empty(4, numel)
+    codec.decode(wire, each)
+    total = torch.full((numel,), float("nan"))
+    codec.decode_sum(wire, total)
+    expected = each[0] + each[1] + each[2] + each[3]
+    torch.testing.assert_close(total, expected, rtol=1e-6, atol=1e-6)

@@ -140,39 +140,80 @@ class BlockCodec:
         """Bytes of one payload."""
         return self.scales_offset + 4 * self.blocks
 
+    # [Note: codec passes] The codec runs on the critical path of every gather and
+    # reduction, on the CPU with one thread per rank, so it makes few passes over the
+    # data: the blocks are views of the rows (no padded copy; only the short last block
+    # is copied), the absmax comes from one aminmax, the codes from one multiply whose
+    # result is rounded and cleaned in place, and decoding multiplies the int8 codes by
+    # the scales straight into the destination (addcmul into the sum for reductions).
+
+    @property
+    def full_blocks(self) -> int:
+        """Blocks without padding: ``numel // block_size``."""
+        return self.numel // self.block_size
+
+    def _parts(self, rows: Tensor) -> list[tuple[Tensor, slice]]:
+        """``rows`` (``(r, numel)``) as ``(r, k, block_size)`` block views, each with the
+        blocks it covers: the full blocks (a view) and the padded last one (a copy)."""
+        r, bs, full = rows.shape[0], self.block_size, self.full_blocks
+        parts = []
+        if full:
+            parts.append((rows[:, : full * bs].reshape(r, full, bs), slice(0, full)))
+        if full != self.blocks:
+            tail = rows.new_zeros(r, 1, bs)
+            tail[:, 0, : self.numel - full * bs] = rows[:, full * bs :]
+            parts.append((tail, slice(full, full + 1)))
+        return parts
+
     def encode(self, rows: Tensor, out: Tensor) -> None:
         """Quantize each row of ``rows`` (``(r, numel)``, floating) into the same row of
         ``out`` (``(r, nbytes)`` uint8, contiguous)."""
         r = rows.shape[0]
         if self.blocks == 0 or r == 0:
             return
-        pad = self.codes_bytes - self.numel
-        x = rows.to(torch.float32)
-        if pad:
-            x = torch.nn.functional.pad(x, (0, pad))
-        x = x.reshape(r, self.blocks, self.block_size)
-        scales = x.abs().amax(dim=2) / 127.0  # (r, blocks); inf/NaN where the block has one
-        usable = torch.isfinite(scales) & (scales > 0)
-        inverse = torch.where(usable, 1.0 / torch.where(usable, scales, 1.0), 0.0)
-        codes = (x * inverse.unsqueeze(2)).round_().nan_to_num_(0.0).clamp_(-127.0, 127.0)
-        self._codes(out).copy_(codes.view(r, self.codes_bytes))
-        self._scales(out).copy_(scales)
+        codes_out = self._codes(out).view(r, self.blocks, self.block_size)
+        scales_out = self._scales(out)
+        for x, blocks in self._parts(rows):
+            low, high = torch.aminmax(x, dim=2)
+            scales = torch.maximum(high, low.neg()).to(torch.float32).div_(127.0)
+            usable = torch.isfinite(scales) & (scales > 0)  # else: zeros, or inf/NaN
+            inverse = torch.where(usable, torch.where(usable, scales, 1.0).reciprocal(), 0.0)
+            # |x| <= absmax, so |x * 127 / absmax| rounds to at most 127: no clamp needed.
+            # An inf or NaN times the zero inverse is NaN: code 0 (the scale keeps it).
+            codes = torch.mul(x, inverse.unsqueeze(2)).round_().nan_to_num_(0.0)
+            codes_out[:, blocks].copy_(codes)
+            scales_out[:, blocks].copy_(scales)
 
     def decode(self, payloads: Tensor, out: Tensor) -> None:
         """Dequantize each row of ``payloads`` (``(r, nbytes)`` uint8) into the same row
         of ``out`` (``(r, numel)``, any floating dtype; computed in fp32, then cast)."""
+        self._decode(payloads, out, accumulate=False)
+
+    def decode_sum(self, payloads: Tensor, out: Tensor) -> None:
+        """The sum over the rows of ``payloads``, dequantized, into ``out`` (``numel``
+        fp32 elements), added in row order."""
+        for i in range(payloads.shape[0]):
+            self._decode(payloads[i : i + 1], out.view(1, -1), accumulate=i > 0)
+
+    def _decode(self, payloads: Tensor, out: Tensor, *, accumulate: bool) -> None:
         r = payloads.shape[0]
         if self.blocks == 0 or r == 0:
             return
-        values = self.decode_fp32(payloads)
-        out.copy_(values)
-
-    def decode_fp32(self, payloads: Tensor) -> Tensor:
-        """The rows of ``payloads`` dequantized: a new ``(r, numel)`` fp32 tensor."""
-        r = payloads.shape[0]
-        codes = self._codes(payloads).to(torch.float32).view(r, self.blocks, self.block_size)
-        values = codes * self._scales(payloads).unsqueeze(2)
-        return values.view(r, self.codes_bytes)[:, : self.numel]
+        bs, full = self.block_size, self.full_blocks
+        codes = self._codes(payloads).view(r, self.blocks, bs)
+        scales = self._scales(payloads).unsqueeze(2)
+        if full:
+            dest = out[:, : full * bs].view(r, full, bs)
+            if accumulate:
+                dest.addcmul_(codes[:, :full], scales[:, :full])
+            else:
+                torch.mul(codes[:, :full], scales[:, :full], out=dest)
+        if full != self.blocks:
+            tail = (codes[:, full] * scales[:, full])[:, : self.numel - full * bs]
+            if accumulate:
+                out[:, full * bs :].add_(tail)
+            else:
+                out[:, full * bs :].copy_(tail)
 
     def _codes(self, payloads: Tensor) -> Tensor:  # (r, codes_bytes) int8 view
         return payloads[:, : self.codes_bytes].view(torch.int8)

@@ -83,11 +83,16 @@ def quantized_reduce_scatter_into(
         work = dist.all_to_all_single(received, send, group=group, async_op=True)
 
     def finish() -> None:
-        rows = received.to(torch.float32) if mode == "bf16" else codec.decode_fp32(received)
-        total = rows[0].clone()
-        for row in rows[1:]:
-            total.add_(row)
-        output.copy_(total)
+        exact_dtype = output.dtype == torch.float32
+        total = output.view(-1) if exact_dtype else output.new_empty(n, dtype=torch.float32)
+        if mode == "bf16":
+            total.copy_(received[0])
+            for row in received[1:]:
+                total.add_(row)
+        else:
+            codec.decode_sum(received, total)
+        if not exact_dtype:
+            output.view(-1).copy_(total)
         send.untyped_storage().resize_(0)
         received.untyped_storage().resize_(0)
 
