@@ -154,3 +154,8 @@ def test_decode_sum_adds_the_rows_in_order(numel: int, block_size: int) -> None:
     codec.decode_sum(wire, total)
     expected = each[0] + each[1] + each[2] + each[3]
     torch.testing.assert_close(total, expected, rtol=1e-6, atol=1e-6)
+    # A rank's own row enters exact, at its place in the order.
+    own = torch.randn(numel, generator=torch.Generator().manual_seed(5))
+    codec.decode_sum(wire, total, exact=(2, own))
+    expected = each[0] + each[1] + own + each[3]
+    torch.testing.assert_close(total, expected, rtol=1e-6, atol=1e-6)

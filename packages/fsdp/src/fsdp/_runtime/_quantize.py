@@ -54,8 +54,9 @@ class QuantizedCommPolicy:
       chunk per rank, each chunk quantized (int8 with block scales, or cast to
       bf16) and exchanged by an all-to-all; each rank dequantizes the chunks it
       receives and sums them in fp32 (qgZ's scheme: one quantization per
-      element, not one per hop of a ring). With int8 each rank's contribution
-      to an element is off by at most ``absmax(its block) / 254``. Hybrid
+      element, not one per hop of a ring); its own chunk, which never leaves
+      it, enters the sum exact. With int8 each other rank's contribution to an
+      element is off by at most ``absmax(its block) / 254``. Hybrid
       sharding then all-reduces the result across replicas in full precision.
 
     ``None`` keeps that direction exact. Units or groups sharded over one rank
@@ -180,7 +181,9 @@ class BlockCodec:
             inverse = torch.where(usable, torch.where(usable, scales, 1.0).reciprocal(), 0.0)
             # |x| <= absmax, so |x * 127 / absmax| rounds to at most 127: no clamp needed.
             # An inf or NaN times the zero inverse is NaN: code 0 (the scale keeps it).
-            codes = torch.mul(x, inverse.unsqueeze(2)).round_().nan_to_num_(0.0)
+            codes = torch.mul(x, inverse.unsqueeze(2)).round_()
+            if x.device.type != "cpu" or not bool(torch.isfinite(scales).all()):
+                codes.nan_to_num_(0.0)  # (a check on the CPU spares a pass; on CUDA a sync)
             codes_out[:, blocks].copy_(codes)
             scales_out[:, blocks].copy_(scales)
 
@@ -189,11 +192,20 @@ class BlockCodec:
         of ``out`` (``(r, numel)``, any floating dtype; computed in fp32, then cast)."""
         self._decode(payloads, out, accumulate=False)
 
-    def decode_sum(self, payloads: Tensor, out: Tensor) -> None:
+    def decode_sum(
+        self, payloads: Tensor, out: Tensor, *, exact: tuple[int, Tensor] | None = None
+    ) -> None:
         """The sum over the rows of ``payloads``, dequantized, into ``out`` (``numel``
-        fp32 elements), added in row order."""
+        fp32 elements), added in row order; ``exact=(i, values)`` takes ``values`` for
+        row ``i`` instead of decoding it (a rank's own chunk, which never left it)."""
         for i in range(payloads.shape[0]):
-            self._decode(payloads[i : i + 1], out.view(1, -1), accumulate=i > 0)
+            if exact is not None and i == exact[0]:
+                if i == 0:
+                    out.copy_(exact[1])
+                else:
+                    out.add_(exact[1])
+            else:
+                self._decode(payloads[i : i + 1], out.view(1, -1), accumulate=i > 0)
 
     def _decode(self, payloads: Tensor, out: Tensor, *, accumulate: bool) -> None:
         r = payloads.shape[0]

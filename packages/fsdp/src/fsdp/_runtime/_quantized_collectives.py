@@ -15,7 +15,9 @@ caller's side stream runs the encode before and the decode after).
   ``all_to_all_single`` so that rank ``r`` receives every rank's chunk ``r``,
   then decoded and summed in fp32 in rank order. Each element is quantized
   once, where a ring reduce-scatter of quantized data would requantize a
-  partial sum at every hop (qgZ's reason for the all-to-all).
+  partial sum at every hop (qgZ's reason for the all-to-all). A rank's own
+  chunk never crosses the wire, so it is neither encoded nor decoded: it
+  enters the sum exact (its row of the all-to-all carries nothing of use).
 """
 
 from __future__ import annotations
@@ -64,11 +66,18 @@ def quantized_all_gather_into(
 
 
 def quantized_reduce_scatter_into(
-    output: Tensor, padded: Tensor, group: Any, *, world_size: int, mode: str, block_size: int
+    output: Tensor,
+    padded: Tensor,
+    group: Any,
+    *,
+    rank: int,
+    world_size: int,
+    mode: str,
+    block_size: int,
 ) -> PendingCollective:
     """Sum ``padded`` over ranks, each rank's part sent as ``mode`` (``"int8"`` or
     ``"bf16"``), and leave this rank's chunk in ``output`` (summed in fp32, then cast
-    to ``output``'s dtype)."""
+    to ``output``'s dtype). ``rank`` is this rank's index in ``group``."""
     n = output.numel()
     chunks = padded.view(world_size, n)
     codec = BlockCodec(n, block_size)
@@ -76,7 +85,8 @@ def quantized_reduce_scatter_into(
         send = chunks.to(torch.bfloat16)
     else:
         send = torch.empty(world_size, codec.nbytes, dtype=torch.uint8, device=padded.device)
-        codec.encode(chunks, send)
+        codec.encode(chunks[:rank], send[:rank])  # not our own chunk: see the module docstring
+        codec.encode(chunks[rank + 1 :], send[rank + 1 :])
     received = torch.empty_like(send)
     target = f"the gradient ({padded.numel():,} elements as {mode} blocks)"
     with backend_failures("reduce_scatter", target):
@@ -86,11 +96,14 @@ def quantized_reduce_scatter_into(
         exact_dtype = output.dtype == torch.float32
         total = output.view(-1) if exact_dtype else output.new_empty(n, dtype=torch.float32)
         if mode == "bf16":
-            total.copy_(received[0])
-            for row in received[1:]:
-                total.add_(row)
+            for i in range(world_size):
+                row = chunks[i] if i == rank else received[i]
+                if i == 0:
+                    total.copy_(row)
+                else:
+                    total.add_(row)
         else:
-            codec.decode_sum(received, total)
+            codec.decode_sum(received, total, exact=(rank, chunks[rank]))
         if not exact_dtype:
             output.view(-1).copy_(total)
         send.untyped_storage().resize_(0)

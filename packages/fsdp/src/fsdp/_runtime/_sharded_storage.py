@@ -381,7 +381,7 @@ class ShardedStorage:
         output = torch.empty(self.shard_numel, dtype=padded.dtype, device=padded.device)
         if self.quantized_gradients is not None:
             pending = quantized_reduce_scatter_into(
-                output, padded, self.group, world_size=self.world_size,
+                output, padded, self.group, rank=self.rank, world_size=self.world_size,
                 mode=self.quantized_gradients, block_size=self.block_size,
             )  # fmt: skip
         else:
