@@ -12,7 +12,7 @@ filter. It touches no interface but that namespace's ``lo`` (every ``tc`` and
 ends, also on Ctrl-C or SIGTERM. It needs root and iproute2 (``ip``, ``tc``).
 
 For every size (~30M and ~60M parameters, ``bench_scale``'s GPT) and world
-size (2 and 4 ranks), one launch holds five variants and steps them in turns
+size (2 and 4 ranks), one launch holds seven variants and steps them in turns
 at every link rate (1 and 10 Gbit/s) in turns: each round sets a rate (rank 0
 runs ``tc`` on the namespace, the ranks lined up by barriers) and steps each
 variant once, then the next rate; so load from elsewhere on the machine hits
@@ -21,8 +21,11 @@ variants: ours ``FullyShardedDataParallel`` (FULL_SHARD, one unit per block
 plus the root), ours ``fully_shard`` (each block, then the root), torch's
 FSDP1 and FSDP2 built the same way, and a compute-only step (the same forward
 and backward on the full model, AdamW on this rank's 1/N of the parameters,
-no collective). AdamW, fp32, gloo/CPU. Before the steps, rank 0 sends 16 MiB
-to rank 1 at each rate: the rate the ranks actually get (in the notes).
+no collective), and ours twice more with ``fsdp.QuantizedCommPolicy()``
+(``, int8 comm``: weights gathered and gradients reduced as int8 blocks of
+256 elements, one fp32 scale each; exact fp32 master parameters). AdamW,
+fp32, gloo/CPU. Before the steps, rank 0 sends 16 MiB to rank 1 at each rate:
+the rate the ranks actually get (in the notes).
 Columns:
 
 * step: median wall time of a training step, each step as long as its slowest
@@ -91,8 +94,13 @@ TORCH_FSDP2 = "torch fully_shard (FSDP2)"
 TORCH_FSDP1 = "torch FSDP1"
 OURS_FSDP1 = "ours FullyShardedDataParallel"
 OURS_FSDP2 = "ours fully_shard"
+OURS_FSDP1_INT8 = "ours FullyShardedDataParallel, int8 comm"
+OURS_FSDP2_INT8 = "ours fully_shard, int8 comm"
 COMPUTE = "compute only"
-VARIANTS = (TORCH_FSDP2, TORCH_FSDP1, OURS_FSDP1, OURS_FSDP2, COMPUTE)
+VARIANTS = (
+    TORCH_FSDP2, TORCH_FSDP1, OURS_FSDP1, OURS_FSDP2, OURS_FSDP1_INT8, OURS_FSDP2_INT8, COMPUTE
+)  # fmt: skip
+QUANTIZED = (OURS_FSDP1_INT8, OURS_FSDP2_INT8)
 
 # ------------------------------------------------------------ flags and rates
 
@@ -441,23 +449,29 @@ class _Trainer:
             params = list(self.model.parameters())
             self.opt = torch.optim.AdamW(params[dist.get_rank() :: dist.get_world_size()], lr=LR)
             return
-        if variant in (OURS_FSDP2, TORCH_FSDP2):
+        import fsdp
+
+        comm: dict[str, Any] = {}
+        if variant in QUANTIZED:
+            comm["comm_policy"] = fsdp.QuantizedCommPolicy(weights="int8", gradients="int8")
+        if variant in (OURS_FSDP2, OURS_FSDP2_INT8):
+            for block in self.model.blocks:
+                fsdp.fully_shard(block, **comm)
+            fsdp.fully_shard(self.model, **comm)
+        elif variant == TORCH_FSDP2:
             import torch.distributed.fsdp as torch_fsdp
 
-            import fsdp
-
-            shard: Any = fsdp.fully_shard if variant == OURS_FSDP2 else torch_fsdp.fully_shard
             for block in self.model.blocks:
-                shard(block)
-            shard(self.model)
-        elif variant == OURS_FSDP1:
-            import fsdp
+                torch_fsdp.fully_shard(block)
+            torch_fsdp.fully_shard(self.model)
+        elif variant in (OURS_FSDP1, OURS_FSDP1_INT8):
             import fsdp.wrap
 
             self.wrapped = fsdp.FullyShardedDataParallel(
                 self.model,
                 auto_wrap_policy=fsdp.wrap.ModuleWrapPolicy({Block}),
                 device_id=torch.device("cpu"),
+                **comm,
             )
         else:
             from torch.distributed.fsdp import FullyShardedDataParallel
@@ -664,6 +678,17 @@ def table_rows(
     return out
 
 
+def quantized_note(label: str, world: int, bits: int, rows: dict[str, Row]) -> str:
+    """The int8 variants against ours unquantized at one configuration: step and bytes."""
+    pairs = ((OURS_FSDP1_INT8, OURS_FSDP1, "FSDP1"), (OURS_FSDP2_INT8, OURS_FSDP2, "fully_shard"))
+    parts = [
+        f"{name} step {rows[q].step_s / rows[exact].step_s:.2f}x, "
+        f"bytes {rows[q].sent_per_rank / rows[exact].sent_per_rank:.2f}x"
+        for q, exact, name in pairs
+    ]
+    return f"int8 comm vs exact, {label} N={world} {fmt_rate(bits)}: " + "; ".join(parts)
+
+
 def run(options: Options) -> list[Table]:
     """Create the namespace, run every configuration in it, remove it; one table."""
     plan = Plan.from_options(options)
@@ -674,6 +699,7 @@ def run(options: Options) -> list[Table]:
         COLUMNS,
     )
     checks: dict[int, list[float]] = {bits: [] for bits in rates}
+    quantized: list[str] = []
     with slow_link_namespace() as netns:
         print(f"(network namespace {netns}; removed at the end)", flush=True)
         for label, world in plan.configurations():
@@ -696,7 +722,9 @@ def run(options: Options) -> list[Table]:
             for bits in rates:
                 at_rate = [r["rates"][bits] for r in ranks]
                 checks[bits].append(achieved_bits(at_rate))
-                cells += table_rows(label, world, bits, psi, summarize(at_rate, bits))
+                rows = summarize(at_rate, bits)
+                cells += table_rows(label, world, bits, psi, rows)
+                quantized.append(quantized_note(label, world, bits, rows))
             for row in cells:
                 table.add(*row)
             print("\n".join(table.render().splitlines()[-len(cells) :]), flush=True)
@@ -711,5 +739,6 @@ def run(options: Options) -> list[Table]:
         "sent/rank: lo's transmitted bytes in the namespace / N; link time: all ranks' bytes / "
         "rate (one shared link)",
         "rates in turns: each round steps every variant at one rate, then at the next",
+        *quantized,
     ]
     return [table]

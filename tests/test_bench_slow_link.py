@@ -203,3 +203,15 @@ def test_add_arguments_have_no_defaults() -> None:
         "batch",
     }
     assert vars(parser.parse_args([])) == {}
+
+
+def test_quantized_note_compares_with_ours_exact() -> None:
+    row = sl.Row(step_s=2.0, wait_s=0.0, over_compute_s=0.0, sent_per_rank=400.0, link_s=0.0)
+    rows = {v: row for v in sl.VARIANTS}
+    rows[sl.OURS_FSDP1_INT8] = sl.Row(1.0, 0.0, 0.0, 100.0, 0.0)
+    rows[sl.OURS_FSDP2_INT8] = sl.Row(1.5, 0.0, 0.0, 110.0, 0.0)
+    note = sl.quantized_note("30M", 2, 10**9, rows)
+    assert note == (
+        "int8 comm vs exact, 30M N=2 1 Gbit/s: FSDP1 step 0.50x, bytes 0.25x; "
+        "fully_shard step 0.75x, bytes 0.28x"
+    )

@@ -26,6 +26,7 @@ from typing import Any, Literal, NamedTuple
 Wrapper = Literal["fsdp", "fully_shard", "ddp-zero", "ddp"]
 Impl = Literal["ours", "torch"]
 Precision = Literal["fp32", "bf16"]
+QuantizedComm = Literal["none", "int8", "int8-bf16"]
 Device = Literal["auto", "cpu", "cuda"]
 
 # The sharding strategies of the seed's ShardingStrategy enum, by name.
@@ -53,6 +54,11 @@ class TrainConfig:
     mixed_precision: Precision = "fp32"
     """bf16: compute in bfloat16 (FSDP MixedPrecision with fp32 gradient reduction, or
     autocast under DDP) while parameters and optimizer state stay fp32."""
+    quantized_comm: QuantizedComm = "none"
+    """Quantized communication (our fsdp and fully_shard only, fsdp.QuantizedCommPolicy):
+    int8 gathers weights and reduces gradients as int8 blocks (one fp32 scale per 256
+    elements), int8-bf16 gathers int8 and reduces bf16; the sharded fp32 parameters
+    stay exact. For slow links."""
     cpu_offload: bool = False
     """Keep FSDP's sharded parameters and gradients on the CPU between uses (fsdp and
     fully_shard only)."""
@@ -195,6 +201,13 @@ class TrainConfig:
                 f"--cpu-offload applies to --wrapper fsdp or fully_shard only "
                 f"(got --wrapper {self.wrapper})"
             )
+        if self.quantized_comm != "none" and (
+            self.wrapper not in ("fsdp", "fully_shard") or self.impl != "ours"
+        ):
+            raise ValueError(
+                f"--quantized-comm applies to our --wrapper fsdp or fully_shard only (got "
+                f"--wrapper {self.wrapper} --impl {self.impl}; torch's FSDP has no such option)"
+            )
         if self.strategy is not None and self.strategy not in STRATEGIES:
             raise ValueError(f"--strategy {self.strategy!r} is not one of {', '.join(STRATEGIES)}")
         if self.resume is not None and not self.checkpoint_every:
@@ -300,6 +313,7 @@ _NAMED_FLAGS: dict[str, typing.Callable[[Any], str]] = {
     "impl": str,
     "strategy": str,
     "mixed_precision": str,
+    "quantized_comm": lambda value: f"q{value}",
     "cpu_offload": lambda _: "offload",
     "device": str,
     **{name: _value(name) for name in _NAMED_VALUES},

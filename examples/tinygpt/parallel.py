@@ -100,8 +100,17 @@ def apply_fsdp(model: GPT, cfg: TrainConfig, env: DistEnv) -> nn.Module:
         cpu_offload=api.CPUOffload(offload_params=True) if cfg.cpu_offload else None,
         # torch's FSDP1 on CPU needs device_id=cpu said explicitly; ours accepts either.
         device_id=env.device,
+        **_comm_policy(api, cfg),
     )
     return wrapped
+
+
+def _comm_policy(api: Any, cfg: TrainConfig) -> dict[str, Any]:
+    """``comm_policy=`` for --quantized-comm (ours only; nothing for none)."""
+    if cfg.quantized_comm == "none":
+        return {}
+    gradients = "bf16" if cfg.quantized_comm == "int8-bf16" else "int8"
+    return {"comm_policy": api.QuantizedCommPolicy(weights="int8", gradients=gradients)}
 
 
 def apply_fully_shard(model: GPT, cfg: TrainConfig, env: DistEnv) -> nn.Module:
@@ -120,6 +129,7 @@ def apply_fully_shard(model: GPT, cfg: TrainConfig, env: DistEnv) -> nn.Module:
         )
     if cfg.cpu_offload:
         kwargs["offload_policy"] = api.CPUOffloadPolicy()
+    kwargs.update(_comm_policy(api, cfg))
     for module in model.modules():
         if isinstance(module, Block):
             api.fully_shard(module, **kwargs)

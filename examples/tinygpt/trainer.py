@@ -502,7 +502,9 @@ class Trainer:
                       f"{self.num_params / 1e6:.2f}M parameters, byte-level"),
             ("parallelism", f"{wrapper}, {plural(env.world_size, 'rank')}, {env.device.type}/"
                             f"{env.backend}, {cfg.mixed_precision}"
-                            + (", cpu offload" if cfg.cpu_offload else "")),
+                            + (", cpu offload" if cfg.cpu_offload else "")
+                            + (f", {cfg.quantized_comm} comm" if cfg.quantized_comm != "none"
+                               else "")),
             ("steps", f"{result.last_step} of {cfg.steps} (this run: {len(ran)}"
                       + (f", resumed at {result.first_step}" if result.first_step else "")
                       + (", interrupted" if result.interrupted else "") + ")"),

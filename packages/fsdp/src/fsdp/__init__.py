@@ -20,6 +20,7 @@ from fsdp._fully_shard._api import (
 )
 from fsdp._fully_shard._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from fsdp._runtime._common import TrainingState, TrainingStateError
+from fsdp._runtime._quantize import QuantizedCommPolicy
 from fsdp._version import __version__
 from fsdp._wrapper._memory import MemoryEstimate, UnitSize, estimate_memory
 from fsdp._wrapper._torch_types import to_fsdp_policy, to_fsdp_type
@@ -64,6 +65,7 @@ __all__ = [
     "OffloadPolicy",
     "OptimStateDictConfig",
     "OptimStateKeyType",
+    "QuantizedCommPolicy",
     "RankDisagreementError",
     "ShardedGradScaler",
     "ShardedOptimStateDictConfig",

@@ -28,6 +28,7 @@ from fsdp._runtime._common import (
     clean_fqn,
 )
 from fsdp._runtime._host_memory import release_freed_host_memory
+from fsdp._runtime._quantize import QuantizedCommPolicy, to_comm_policy
 from fsdp._wrapper import _grad_norm, _init
 from fsdp._wrapper._deferred_init import has_meta_states, materialize_unit, modules_to_materialize
 from fsdp._wrapper._fsdp_state import FSDPState, get_fsdp_state
@@ -159,6 +160,11 @@ class FullyShardedDataParallel(nn.Module):
             ``FULL_SHARD``/``SHARD_GRAD_OP``/``NO_SHARD`` (shard over its
             group), 2-D with dimensions ``(replicate, shard)`` for hybrid
             sharding, as torch's FSDP.
+        comm_policy: an extension torch's FSDP lacks (keyword only):
+            :class:`~fsdp.QuantizedCommPolicy` gathers the parameters as int8
+            blocks and reduce-scatters the gradients as int8 or bf16 blocks,
+            for slow links; the sharded parameters stay exact. Inner units
+            built by ``auto_wrap_policy`` get it too. ``None``: exact.
     """
 
     _fsdp_state: FSDPState  # run-time hooks and training state
@@ -179,6 +185,7 @@ class FullyShardedDataParallel(nn.Module):
     limit_all_gathers: bool
     compute_device: torch.device
     _use_orig_params: bool
+    comm_policy: QuantizedCommPolicy | None  # quantized communication (ours only), or None
     # Selected by ckpt.state_dict_type; see [Note: state-dict types live in ckpt].
     _state_dict_type: StateDictType
     _state_dict_config: StateDictConfig
@@ -202,6 +209,8 @@ class FullyShardedDataParallel(nn.Module):
         use_orig_params: bool = False,
         ignored_states: Iterable[nn.Parameter] | Iterable[nn.Module] | None = None,
         device_mesh: Any = None,
+        *,
+        comm_policy: QuantizedCommPolicy | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -231,6 +240,7 @@ class FullyShardedDataParallel(nn.Module):
                 backward_prefetch, BackwardPrefetch, "backward_prefetch"
             )
         auto_wrap_policy = to_fsdp_policy(auto_wrap_policy)
+        comm_policy = to_comm_policy(comm_policy)
         if param_init_fn is not None and not callable(param_init_fn):
             raise ValueError(  # torch's type and words for this mistake
                 f"Expected {param_init_fn!r} to be callable but got {type(param_init_fn)}: "
@@ -259,6 +269,7 @@ class FullyShardedDataParallel(nn.Module):
                 "ignored_states": ignored.for_children,
                 "device_mesh": device_mesh,
                 "use_orig_params": use_orig_params,
+                "comm_policy": comm_policy,
             }
             if strategy in HYBRID_STRATEGIES and device_mesh is None:
                 # Every unit shares the root's groups (also those built automatically).
@@ -313,6 +324,7 @@ class FullyShardedDataParallel(nn.Module):
             cpu_offload=cpu_offload,
             sync_module_states=sync_module_states,
             use_orig_params=use_orig_params,
+            comm_policy=comm_policy,
         )
         del collected  # the original parameters: free them before the enclosing unit is built
         release_freed_host_memory()  # see [Note: construction RSS]
@@ -352,6 +364,7 @@ class FullyShardedDataParallel(nn.Module):
         self.limit_all_gathers = limit_all_gathers
         self.compute_device = compute_device
         self._use_orig_params = bool(use_orig_params)
+        self.comm_policy = comm_policy
         self._state_dict_type = StateDictType.FULL_STATE_DICT
         self._state_dict_config = FullStateDictConfig()
         self._optim_state_dict_config = FullOptimStateDictConfig()

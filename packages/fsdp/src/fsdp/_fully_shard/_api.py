@@ -39,6 +39,7 @@ from fsdp._fully_shard._policies import (
 from fsdp._fully_shard._state import ORPHAN, FullyShardState, state_of
 from fsdp._fully_shard._tensor_parallel import MeshComposer, check_dtensor_param
 from fsdp._runtime._host_memory import release_freed_host_memory
+from fsdp._runtime._quantize import QuantizedCommPolicy, to_comm_policy
 
 __all__ = [
     "FSDPModule",
@@ -62,6 +63,7 @@ def fully_shard(
     offload_policy: OffloadPolicy = ...,
     ignored_params: set[nn.Parameter] | None = None,
     dp_mesh_dims: Any = None,
+    comm_policy: QuantizedCommPolicy | None = None,
 ) -> FSDPModule: ...
 
 
@@ -76,6 +78,7 @@ def fully_shard(
     offload_policy: OffloadPolicy = ...,
     ignored_params: set[nn.Parameter] | None = None,
     dp_mesh_dims: Any = None,
+    comm_policy: QuantizedCommPolicy | None = None,
 ) -> list[FSDPModule]: ...
 
 
@@ -89,6 +92,7 @@ def fully_shard(
     offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008
     ignored_params: set[nn.Parameter] | None = None,
     dp_mesh_dims: Any = None,
+    comm_policy: QuantizedCommPolicy | None = None,
 ) -> FSDPModule | list[FSDPModule]:
     """Shard ``module``'s parameters across the data-parallel ranks of ``mesh``.
 
@@ -126,6 +130,11 @@ def fully_shard(
             gradients not reduced.
         dp_mesh_dims: not supported (a ``DataParallelMeshDims`` for parameters
             that are already ``DTensor`` s on a larger SPMD mesh).
+        comm_policy: an extension torch's ``fully_shard`` lacks:
+            :class:`~fsdp.QuantizedCommPolicy` gathers this group's parameters
+            as int8 blocks and reduce-scatters its gradients as int8 or bf16
+            blocks, for slow links; the sharded parameters stay exact. Applies
+            to this call's group only (pass it to every call). ``None``: exact.
 
     Returns:
         ``module`` itself, now an :class:`FSDPModule` (the list, for a list).
@@ -140,6 +149,7 @@ def fully_shard(
         )
     mp = to_mp_policy(mp_policy)
     offload = to_offload_policy(offload_policy)
+    comm = to_comm_policy(comm_policy)
     if mesh is None:
         mesh = default_mesh()
     info = mesh_info(mesh)
@@ -167,6 +177,7 @@ def fully_shard(
             device=device,
             mp=mp,
             offload=offload,
+            comm_policy=comm,
         )
     state = FullyShardState(
         modules, group, mesh=info, device=device, mp=mp, auto_reshard_after_forward=auto

@@ -56,6 +56,7 @@ from fsdp._fully_shard._param import (
 from fsdp._fully_shard._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from fsdp._runtime._collectives import gradient_divide_factors
 from fsdp._runtime._device import pins_host_memory
+from fsdp._runtime._quantize import QuantizedCommPolicy
 from fsdp._runtime._sharded_storage import (
     PendingReduce,
     ShardedStorage,
@@ -251,7 +252,9 @@ class GroupPart:
             param_dtype = self.orig_dtype
         self.compute_dtype = param_dtype
         self.reduce_dtype = g.mp.reduce_dtype or param_dtype
-        self.storage = self._storage(region, self.layout, g.mesh, offload=g.offload_to_cpu)
+        self.storage = self._storage(
+            region, self.layout, g.mesh, offload=g.offload_to_cpu, comm_policy=g.comm_policy
+        )
         if self.extension is not None:
             self.extension.compute_dtype = self.compute_dtype
         self.make_post_storage()
@@ -274,7 +277,13 @@ class GroupPart:
         self.post_storage = self._storage(post_region, self.post_layout, info, offload=False)
 
     def _storage(
-        self, region: Tensor, layout: ChunkLayout, info: MeshInfo, *, offload: bool
+        self,
+        region: Tensor,
+        layout: ChunkLayout,
+        info: MeshInfo,
+        *,
+        offload: bool,
+        comm_policy: QuantizedCommPolicy | None = None,  # the post-forward copy's: exact
     ) -> ShardedStorage:
         g = self.group
         return ShardedStorage(
@@ -291,6 +300,7 @@ class GroupPart:
             replicate_group=info.replicate_group if info.replicate_size > 1 else None,
             replicate_size=info.replicate_size,
             record_streams=False,
+            comm_policy=comm_policy,
         )
 
     def update_reduction(self) -> None:
@@ -571,6 +581,7 @@ class ParamGroup:
     post_forward: MeshInfo | None  # where parameters go after forward; None: kept unsharded
     device: torch.device  # compute device
     mp: MixedPrecisionPolicy
+    comm_policy: QuantizedCommPolicy | None  # quantized gathers and reductions, or None
     offload_to_cpu: bool
     pin_memory: bool
     state: GroupState
@@ -596,8 +607,10 @@ class ParamGroup:
         device: torch.device,
         mp: MixedPrecisionPolicy,
         offload: OffloadPolicy,
+        comm_policy: QuantizedCommPolicy | None = None,
     ) -> None:
         self.modules = modules
+        self.comm_policy = comm_policy
         self.params = params
         self.mesh = mesh
         self.post_forward = post_forward

@@ -708,7 +708,7 @@ def _check_states_agree(states: list[FullyShardState]) -> None:
         fingerprint[f"module {i} ({group.fqn!r})"] = params
         fingerprint[f"module {i} ({group.fqn!r}) options"] = (
             f"mp_policy={state.mp}, offload={'cpu' if group.offload_to_cpu else 'none'}, "
-            f"reshard_after_forward={_reshard_name(group)}"
+            f"reshard_after_forward={_reshard_name(group)}, comm_policy={group.comm_policy}"
         )
     check_agree(
         "fully_shard lazy init",

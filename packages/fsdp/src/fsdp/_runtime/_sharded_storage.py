@@ -30,6 +30,11 @@ Everything between the shard and the collectives is then one runtime,
   parameters' dtype and, under CPU offload, copied to the host. The padded
   gradient is a buffer reused across backward passes whose storage exists
   only while a reduction reads it ([Note: gradient padding]).
+- *quantized* (opt-in, a ``QuantizedCommPolicy``): the gather moves the
+  shard as int8 blocks and decodes them into ``gathered``, the reduce-scatter
+  moves int8 (or bf16) chunks by an all-to-all and sums them in fp32
+  (``_quantized_collectives.py``); everything around the collectives (the
+  shard, ``gathered``, divisions, the all-reduce across replicas) is as above.
 
 What lies between is the front end's: how the modules see gathered data
 (views of ``gathered`` for the wrapper, a copy-out into per-parameter tensors
@@ -54,6 +59,11 @@ from fsdp._runtime._collectives import (
     all_gather_into,
     all_reduce_inplace,
     reduce_scatter_into,
+)
+from fsdp._runtime._quantize import QuantizedCommPolicy
+from fsdp._runtime._quantized_collectives import (
+    quantized_all_gather_into,
+    quantized_reduce_scatter_into,
 )
 from fsdp._runtime._streams import Stream, Streams, streams_for
 
@@ -133,6 +143,11 @@ class ShardedStorage:
     post_reduce_hook: Callable[[Tensor], None] | None
     hook_sees_average: bool
     streams: Streams  # the device's streams; a no-op on the CPU ([Note: stream ordering])
+    # Quantized communication: the gather's and the reduce-scatter's wire format, None when
+    # exact (no policy, nothing to quantize, or one rank: see QuantizedCommPolicy)
+    quantized_weights: str | None
+    quantized_gradients: str | None
+    block_size: int
     _pending: PendingCollective | None  # the gather in flight
     _gathered_event: Any  # the unshard stream's event after the gather (streams enabled)
     _padded_grad: Tensor | None  # the reusable padded gradient ([Note: gradient padding])
@@ -156,6 +171,7 @@ class ShardedStorage:
         divide: tuple[float, float] = (1.0, 1.0),
         keep_low_precision_grads: bool = False,
         record_streams: bool = True,
+        comm_policy: QuantizedCommPolicy | None = None,
     ) -> None:
         self.shard = shard
         self.shard_numel = shard.numel()
@@ -176,6 +192,11 @@ class ShardedStorage:
         self.post_reduce_hook = None
         self.hook_sees_average = False
         self.streams = streams_for(compute_device)
+        moves = sharded and world_size > 1 and shard.numel() > 0
+        moves = moves and shard.dtype.is_floating_point and comm_policy is not None
+        self.quantized_weights = comm_policy.weights if moves and comm_policy else None
+        self.quantized_gradients = comm_policy.gradients if moves and comm_policy else None
+        self.block_size = comm_policy.block_size if comm_policy is not None else 0
         self.gathered = torch.empty(padded_numel, dtype=compute_dtype, device=compute_device)
         free_storage(self.gathered)
         self._pending = None
@@ -215,6 +236,13 @@ class ShardedStorage:
 
     def _gather(self) -> PendingCollective:
         alloc_storage(self.gathered, self.padded_numel)
+        if self.quantized_weights is not None:
+            # Encoded from the master shard itself (not a low-precision cast of it).
+            shard = self.shard.detach().to(self.compute_device, non_blocking=self.pinned)
+            return quantized_all_gather_into(
+                self.gathered, shard, self.group, rank=self.rank, world_size=self.world_size,
+                block_size=self.block_size,
+            )  # fmt: skip
         return all_gather_into(self.gathered, self._gather_input(), self.group)
 
     def _gather_input(self) -> Tensor:
@@ -351,7 +379,13 @@ class ShardedStorage:
                 partial=partial, final=replicate,
             )  # fmt: skip
         output = torch.empty(self.shard_numel, dtype=padded.dtype, device=padded.device)
-        pending = reduce_scatter_into(output, padded, self.group)
+        if self.quantized_gradients is not None:
+            pending = quantized_reduce_scatter_into(
+                output, padded, self.group, rank=self.rank, world_size=self.world_size,
+                mode=self.quantized_gradients, block_size=self.block_size,
+            )  # fmt: skip
+        else:
+            pending = reduce_scatter_into(output, padded, self.group)
         return PendingReduce(
             owner, pending, output, post, replicate_group, reused, keep_alive=keep_alive,
             partial=partial, final=replicate,

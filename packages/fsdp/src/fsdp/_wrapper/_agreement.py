@@ -69,6 +69,7 @@ def fsdp_fingerprint(states: Sequence[Any]) -> dict[str, str]:
         "mixed_precision": repr(getattr(root, "mixed_precision", None)),
         "use_orig_params": str(getattr(root, "_use_orig_params", None)),
         "cpu_offload": repr(getattr(root, "cpu_offload", None)),
+        "comm_policy": repr(getattr(root, "comm_policy", None)),
         "process group size": str(getattr(root, "world_size", None)),
         "replica group size": str(group_size(getattr(root, "_inter_node_pg", None))),
         "number of FSDP units": str(len(states)),
@@ -79,6 +80,9 @@ def fsdp_fingerprint(states: Sequence[Any]) -> dict[str, str]:
         strategy = getattr(s.module, "sharding_strategy", None)
         if s is not states[0] and strategy is not getattr(root, "sharding_strategy", None):
             fp[f"unit {i} ({name}) sharding_strategy"] = _name(strategy)
+        policy = getattr(s.module, "comm_policy", None)
+        if s is not states[0] and policy != getattr(root, "comm_policy", None):
+            fp[f"unit {i} ({name}) comm_policy"] = repr(policy)
     return fp
 
 

@@ -106,6 +106,7 @@ from flatparam import (
 )
 from fsdp._runtime._collectives import all_gather_into, gradient_divide_factors
 from fsdp._runtime._device import pins_host_memory
+from fsdp._runtime._quantize import QuantizedCommPolicy
 from fsdp._runtime._sharded_storage import (
     PendingReduce,
     ShardedStorage,
@@ -150,6 +151,7 @@ class UnitConfig:
     replicate_group: Any = None
     replicate_size: int = 1
     use_orig_params: bool = False  # keep the original parameters as views (OrigParams)
+    comm_policy: QuantizedCommPolicy | None = None  # quantized gathers and reductions
 
 
 class FlatParamUnit:
@@ -233,6 +235,7 @@ class FlatParamUnit:
             replicate_size=config.replicate_size,
             divide=gradient_divide_factors(config.world_size * config.replicate_size),
             keep_low_precision_grads=config.keep_low_precision_grads,
+            comm_policy=config.comm_policy,
         )
         self.flat_param = flat
         self._placeholders = [

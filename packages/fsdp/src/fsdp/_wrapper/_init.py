@@ -21,6 +21,7 @@ from torch import nn
 from flatparam import ParamInfo, SharedParamInfo
 from fsdp._runtime._common import clean_fqn
 from fsdp._runtime._device import default_cuda_device
+from fsdp._runtime._quantize import QuantizedCommPolicy
 from fsdp._wrapper._deferred_init import IGNORED, TIED, broadcast_module_states
 from fsdp._wrapper._flat_param_unit import FlatParamUnit, UnitConfig
 from fsdp._wrapper._process_groups import ProcessGroups
@@ -412,6 +413,7 @@ def build_unit(
     cpu_offload: CPUOffload,
     sync_module_states: bool = False,
     use_orig_params: bool = False,
+    comm_policy: QuantizedCommPolicy | None = None,
 ) -> FlatParamUnit | None:
     """Flatten and shard the parameters :func:`collect_unit_params` found; ``None`` if none.
 
@@ -466,6 +468,7 @@ def build_unit(
         replicate_group=replicate_group if replicate_size > 1 else None,
         replicate_size=replicate_size,
         use_orig_params=use_orig_params,
+        comm_policy=comm_policy,
     )
     unit = _build_parts(infos, params, shared, config)
     owner = weakref.ref(visited[0])
