@@ -62,6 +62,19 @@ FOUND: dict[str, Example] = {
         )
         * 3,
     ),
+    # HSDP, set_requires_all_reduce(False) on two backwards before one with it: the second
+    # took the first's partial sums along and dropped them (only a final reduction adds
+    # them), so the step lost a micro-batch's gradient. Found by the long run.
+    "two_backwards_without_all_reduce": Example(
+        world_size=4,
+        model=_TINY,
+        plan=FullyShardPlan(calls=(("",),), reshard_after_forward=(True,), hsdp=True),
+        steps=(
+            Step(),
+            Step(micros=(Micro(all_reduce=False), Micro(all_reduce=False), Micro())),
+            Step(),
+        ),
+    ),
 }
 
 

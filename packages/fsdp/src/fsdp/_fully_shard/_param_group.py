@@ -496,7 +496,12 @@ class GroupPart:
                 self.layout.pack_full(full, buf)
             return buf
 
-        partial, self.partial = self.partial, None
+        # The partial sums wait for the reduction that all-reduces across replicas: one
+        # without it (another set_requires_all_reduce(False) backward) adds its own sum
+        # to them in accumulate() instead.
+        partial = None
+        if g.all_reduce_grads:
+            partial, self.partial = self.partial, None
         return self.storage.reduce(
             _Reduction(self, mask),
             fill,
