@@ -79,9 +79,9 @@ class _Hold:
     """Holds every background save inside DCP's write step until ``release()``."""
 
     def __init__(self) -> None:
-        from ckpt import _writer
+        from ckpt._format import writer
 
-        self._writer = _writer.CheckpointWriter
+        self._writer = writer.CheckpointWriter
         self._original = self._writer.write_data
         self.reached = threading.Event()
         self._gate = threading.Event()

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 import ckpt
 from ckpt._export import _strip_wrappers, export, parse_size, plan_shards
-from ckpt._reader import CheckpointReader
+from ckpt._format.reader import CheckpointReader
 from tests.ranks import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from ckpt import CorruptCheckpointError, FileProblem, ShapeMismatch, StateDictMismatchError
 from ckpt._fit import combine_fits, fit_rank
-from ckpt._manifest import (
+from ckpt._format.manifest import (
     Checksum,
     Manifest,
     balance_files,

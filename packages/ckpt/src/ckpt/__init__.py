@@ -39,9 +39,9 @@ from ckpt._errors import (
     StateDictMismatchError,
     UnsafeCheckpointError,
 )
+from ckpt._format.manifest import MANIFEST_NAME, Checksum, FileRecord, Manifest
 from ckpt._fsdp_model_state import LocalShardMismatchError
 from ckpt._manager import CheckpointManager
-from ckpt._manifest import MANIFEST_NAME, Checksum, FileRecord, Manifest
 from ckpt._optim_state import load_optim_state_dict, optim_state_dict
 from ckpt._pretrained import PretrainedLoad, load_pretrained
 from ckpt._staging import release_staging_buffers

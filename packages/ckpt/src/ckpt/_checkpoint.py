@@ -2,11 +2,11 @@
 
 A save is a :class:`_SaveTransaction` through the states of :class:`SaveState`:
 rank 0 takes the target's lease, checks the path and creates the save's own partial
-directory (``prepare``; [Note: one writer per checkpoint] in ``_lease.py``), every rank
+directory (``prepare``; [Note: one writer per checkpoint] in ``_format/lease.py``), every rank
 writes its shards there with DCP, hashing the bytes as they are written, and rank 0,
 in DCP's last step, writes the manifest and renames the directory into place
-(``write``). See [Note: atomic commit] in ``_layout.py``, [Note: integrity] in
-``_manifest.py`` and [Note: one pass over the bytes] in ``_writer.py``.
+(``write``). See [Note: atomic commit] in ``layout.py``, [Note: integrity] in
+``_format/manifest.py`` and [Note: one pass over the bytes] in ``_format/writer.py``.
 
 ``save`` and ``async_save`` share one path ([Note: capture, then copy or write] in
 ``_fsdp_runs.py``): the state is captured by reference without communication,
@@ -17,7 +17,7 @@ and written on a background thread over the checkpoint's own process group
 A load reads the manifest (and checks its HMAC when given a key), has every rank verify
 a balanced share of the files, checks the keys and shapes against the state on every
 rank, and only then lets DCP read, through a reader and planner that never run code
-from the checkpoint ([Note: no code from a checkpoint] in ``_safe_pickle.py``).
+from the checkpoint ([Note: no code from a checkpoint] in ``_format/safe_unpickling.py``).
 Every decision is shared before anyone acts ([Note: one decision, every rank]). A
 peer that dies or hangs inside is named ([Note: naming a fault inside a checkpoint] in
 ``_peer_faults.py``).
@@ -41,11 +41,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from ckpt import _layout
 from ckpt._agreement import check_ranks_agree
 from ckpt._collective_failure import in_phase
 from ckpt._comm import Comm, async_group, device_of, on_device
-from ckpt._disk_space import disk_full, found_disk_full, is_disk_full
 from ckpt._errors import (
     CheckpointError,
     CheckpointInUseError,
@@ -63,9 +61,10 @@ from ckpt._fit import (
     saved_dtypes,
     saved_shapes,
 )
-from ckpt._fqns import adopt_saved_names
-from ckpt._lease import Lease, acquire
-from ckpt._manifest import (
+from ckpt._format import layout
+from ckpt._format.disk_space import disk_full, found_disk_full, is_disk_full
+from ckpt._format.lease import Lease, acquire
+from ckpt._format.manifest import (
     Checksum,
     FileRecord,
     Manifest,
@@ -80,18 +79,19 @@ from ckpt._manifest import (
     verify_files,
     write_manifest,
 )
-from ckpt._peer_faults import named_faults, peers, waited_for_commit
-from ckpt._safe_pickle import (
+from ckpt._format.safe_unpickling import (
     SafeFileSystemReader,
     SafeGlobals,
     SafeLoadPlanner,
     check_objects,
     read_metadata,
 )
-from ckpt._save_planner import CheckpointSavePlanner
+from ckpt._format.save_planner import CheckpointSavePlanner
+from ckpt._format.writer import CheckpointWriter, commit_result
+from ckpt._fqns import adopt_saved_names
+from ckpt._peer_faults import named_faults, peers, waited_for_commit
 from ckpt._staging import stage
 from ckpt._state import apply_loaded, to_state_dict
-from ckpt._writer import CheckpointWriter, commit_result
 
 _E = TypeVar("_E", bound=BaseException)
 
@@ -144,7 +144,7 @@ class _SaveTransaction:
     state: SaveState
     manifest: Manifest | None
     token: str  # this save's: its partial directory's name ([Note: one writer per checkpoint])
-    expected: _layout.Occupant  # what was committed at path when the save began
+    expected: layout.Occupant  # what was committed at path when the save began
     lease: Lease | None  # rank 0's, from prepare until the commit or the failure
     step: str  # where DCP is ([Note: naming a fault inside a checkpoint])
 
@@ -177,12 +177,12 @@ class _SaveTransaction:
     @property
     def partial(self) -> Path:
         """The directory this save writes into."""
-        return _layout.partial_path(self.path, self.token)
+        return layout.partial_path(self.path, self.token)
 
-    def _take_lease(self, overwrite: bool) -> tuple[list[Path], str, _layout.Occupant]:
+    def _take_lease(self, overwrite: bool) -> tuple[list[Path], str, layout.Occupant]:
         """Rank 0: the lease, then the path's checks and the partial directory."""
-        _layout.make_parent(self.path)
-        token = self.token = _layout.new_token()  # here too, for _abandon on rank 0
+        layout.make_parent(self.path)
+        token = self.token = layout.new_token()  # here too, for _abandon on rank 0
         self.lease, recovered = acquire(self.path, token)
         try:
             for owner in recovered:
@@ -191,7 +191,7 @@ class _SaveTransaction:
                     f"its commit ({owner.describe()})",
                     stacklevel=5,
                 )
-            removed, expected = _layout.prepare_partial(self.path, overwrite, token)
+            removed, expected = layout.prepare_partial(self.path, overwrite, token)
         except BaseException:
             self._release()
             raise
@@ -349,7 +349,7 @@ class _SaveTransaction:
                 raise
             shutil.rmtree(partial, ignore_errors=True)  # [Note: naming a full disk]
             raise disk_full(self.path, None) from e
-        _layout.commit(self.path, self.token, self.expected)
+        layout.commit(self.path, self.token, self.expected)
         self.state = SaveState.COMMITTED
         self.manifest = manifest
         try:
@@ -647,10 +647,10 @@ def _open_checkpoint(
         raise ValueError("key= checks the files against the signed manifest: keep verify=True")
 
     def open_on_rank0() -> tuple[Manifest | None, list[FileProblem]]:
-        if not _layout.is_committed(path):
+        if not layout.is_committed(path):
             if not verify and (path / ".metadata").is_file():
                 return None, []
-            raise _layout.not_a_checkpoint(path)
+            raise layout.not_a_checkpoint(path)
         manifest = read_manifest(path)
         if key is not None:
             check_signature(manifest, key, path)

@@ -34,7 +34,6 @@ from typing import Any
 
 import torch
 
-from ckpt import _layout
 from ckpt._errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -51,9 +50,9 @@ from ckpt._export import (
     parse_size,
     target_format,
 )
-from ckpt._file_checks import dcp_file_problems, dcp_referenced_bytes, manifest_size_problems
-from ckpt._json_values import json_value
-from ckpt._manifest import (
+from ckpt._format import layout
+from ckpt._format.file_checks import dcp_file_problems, dcp_referenced_bytes, manifest_size_problems
+from ckpt._format.manifest import (
     MANIFEST_NAME,
     check_file_set,
     check_signature,
@@ -61,8 +60,9 @@ from ckpt._manifest import (
     read_manifest,
     verify_files,
 )
-from ckpt._reader import CheckpointReader
-from ckpt._safe_pickle import METADATA_NAME, SafeGlobals, check_objects, read_metadata
+from ckpt._format.reader import CheckpointReader
+from ckpt._format.safe_unpickling import METADATA_NAME, SafeGlobals, check_objects, read_metadata
+from ckpt._json_values import json_value
 
 __all__ = ["EXIT_CORRUPT", "EXIT_NOT_A_CHECKPOINT", "EXIT_UNTRUSTED", "main"]
 
@@ -236,7 +236,7 @@ def _ls(args: argparse.Namespace) -> int:
         row, row_status = _ls_row(path)
         rows.append(row)
         status = max(status, row_status)
-    partial = list(_layout.leftovers(root)) if not _is_checkpoint(root) else []
+    partial = list(layout.leftovers(root)) if not _is_checkpoint(root) else []
     for p in partial:
         rows.append({"name": p.name, "status": "partial (interrupted save, never loaded)"})
     if args.json:
@@ -343,7 +343,7 @@ def _verify(args: argparse.Namespace) -> int:
     if not (path / MANIFEST_NAME).is_file():
         if (path / METADATA_NAME).is_file():
             return _verify_dcp(path, args)
-        raise _layout.not_a_checkpoint(path)
+        raise layout.not_a_checkpoint(path)
     manifest = read_manifest(path)
     key = _key(args)
     if key is not None:

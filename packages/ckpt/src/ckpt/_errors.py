@@ -116,7 +116,7 @@ class DiskFullError(CheckpointError):
     Raised before writing when the size is known and too large (``needed`` bytes, of
     which ``free`` are available), or in place of the OS's (or torch's) error when a
     write ran out of space (``needed`` None when unknown); see [Note: naming a full
-    disk] in ``_disk_space.py``. Nothing of the failed write is left; an earlier
+    disk] in ``_format/disk_space.py``. Nothing of the failed write is left; an earlier
     checkpoint is untouched. Free space there, or write elsewhere. ``errno`` is
     ``errno.ENOSPC``, as on the OSError it stands for.
     """
@@ -296,7 +296,7 @@ class UnsafeCheckpointError(CheckpointError):
 
     Nothing of it was executed: ckpt unpickles DCP's ``.metadata`` admitting only the
     types DCP writes there, and non-tensor values with ``torch.load(weights_only=True)``
-    semantics (see [Note: no code from a checkpoint] in ``_safe_pickle.py``). ``item``
+    semantics (see [Note: no code from a checkpoint] in ``_format/safe_unpickling.py``). ``item``
     is the file or state key, ``found`` what was refused. If you wrote the checkpoint
     yourself and the value is a type you trust, pass it in ``safe_globals=[...]``.
     """
@@ -341,7 +341,7 @@ class CheckpointInUseError(CheckpointError):
     Two jobs saving into one folder (a job started twice, two shells) would write into
     and rename each other's directories; so a save first takes a lease on its target
     (``.<name>.lease`` beside it, see [Note: one writer per checkpoint] in
-    ``_lease.py``) and the second writer gets this error before it writes anything.
+    ``_format/lease.py``) and the second writer gets this error before it writes anything.
     ``owner`` describes the other writer (host, pid, since when) when known, ``lease``
     is the lease file. Nothing of this save was kept.
     """

@@ -30,9 +30,9 @@ from typing import IO
 
 import torch
 
-from ckpt._disk_space import check_space, disk_full, is_disk_full
 from ckpt._errors import CheckpointError, DiskFullError
-from ckpt._reader import CheckpointReader, TensorInfo
+from ckpt._format.disk_space import check_space, disk_full, is_disk_full
+from ckpt._format.reader import CheckpointReader, TensorInfo
 
 __all__ = [
     "DEFAULT_BUFFER_BYTES",

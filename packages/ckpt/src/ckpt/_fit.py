@@ -24,7 +24,7 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from ckpt._errors import ShapeMismatch, StateDictMismatchError
-from ckpt._pieces import FlatPieces
+from ckpt._format.flat_pieces import FlatPieces
 
 __all__ = [
     "RankFit",

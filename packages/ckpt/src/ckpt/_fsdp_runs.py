@@ -8,9 +8,9 @@ communication (the *capture*). A synchronous save writes that dict at once; an
 asynchronous one first copies its tensors into host buffers kept for the next save
 (``_staging.py``), returns, and writes the copy in the background. For our FSDP1 model
 and its optimizer the capture is each unit's flat shard as the runs of the original
-parameters it holds ([Note: flat pieces] in ``_pieces.py``): a parameter this rank
+parameters it holds ([Note: flat pieces] in ``_format/flat_pieces.py``): a parameter this rank
 holds whole is a plain view of the shard, one it holds part of is a
-:class:`~ckpt._pieces.FlatPieces`, one it holds nothing of is absent on this rank (the
+:class:`~ckpt._format.flat_pieces.FlatPieces`, one it holds nothing of is absent on this rank (the
 ranks that hold it write it). The optimizer's per-element state (``exp_avg``, laid out
 like the shard, or like each original parameter's piece under ``use_orig_params=True``)
 is cut the same way; per-parameter values (``step``) are written under every
@@ -18,7 +18,7 @@ parameter of the unit (DCP keeps one copy of equal keys).
 
 Nothing here depends on the other ranks, so it cannot wait for them: a value that cannot
 be written as a run (optimizer state shaped unlike the parameter's piece) becomes a
-:class:`~ckpt._save_planner.CaptureProblem` leaf, which the planners raise in DCP's
+:class:`~ckpt._format.save_planner.CaptureProblem` leaf, which the planners raise in DCP's
 local planning step, from where DCP reports it on every rank. The optimizer's runs are
 made in ``_fsdp_optim_state.py`` (``fsdp_optim_runs``) and ``_orig_optim_state.py``.
 
@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ckpt._pieces import FlatPieces
+from ckpt._format.flat_pieces import FlatPieces
 from fsdp.units import FlatUnit
 
 __all__ = ["as_run", "shard_from_runs", "unit_runs", "unit_template"]
@@ -90,7 +90,7 @@ def shard_from_runs(
     unit: FlatUnit, runs: Mapping[int, Any], dtype: torch.dtype, device: torch.device
 ) -> Tensor:
     """This rank's shard (padding zero) from its runs of the parameters (parameter
-    index -> a plain tensor or :class:`~ckpt._pieces.FlatPieces`, as :func:`unit_runs`
+    index -> a plain tensor or :class:`~ckpt._format.flat_pieces.FlatPieces`, as :func:`unit_runs`
     made them; absent ones stay zero)."""
     shard = torch.zeros(_shard_numel(unit), dtype=dtype)
     pieces = {p.param_index: p for p in unit.local_pieces()}

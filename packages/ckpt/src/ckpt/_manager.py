@@ -6,7 +6,7 @@ interrupted saves or prunes left behind is reported, never loaded, and removed b
 next save. Old checkpoints are pruned only after a new one is committed and the ones
 kept were checked, so at least one good checkpoint exists at every moment; another
 writer in the same root never loses a running save or its checkpoint to the pruning
-([Note: one writer per checkpoint] in ``_lease.py``).
+([Note: one writer per checkpoint] in ``_format/lease.py``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ckpt import _layout
 from ckpt._checkpoint import (
     AsyncSave,
     CheckpointInfo,
@@ -33,9 +32,10 @@ from ckpt._checkpoint import (
 )
 from ckpt._comm import Comm, device_of, on_device
 from ckpt._errors import CheckpointError, CheckpointInUseError, NotACheckpointError
-from ckpt._file_checks import manifest_size_problems
-from ckpt._lease import Lease, acquire
-from ckpt._manifest import Checksum, read_manifest
+from ckpt._format import layout
+from ckpt._format.file_checks import manifest_size_problems
+from ckpt._format.lease import Lease, acquire
+from ckpt._format.manifest import Checksum, read_manifest
 
 __all__ = ["CheckpointManager"]
 
@@ -97,7 +97,7 @@ class CheckpointManager:
         found = []
         for p in self.root.iterdir():
             m = _STEP_DIR.match(p.name)
-            if m is not None and _layout.is_committed(p):
+            if m is not None and layout.is_committed(p):
                 found.append(int(m.group(1)))
         return sorted(found)
 
@@ -109,7 +109,7 @@ class CheckpointManager:
     def partial(self) -> list[Path]:
         """Directories left by interrupted saves, overwrites or prunes, or written by
         another writer's running save (never loaded)."""
-        return _layout.leftovers(self.root)
+        return layout.leftovers(self.root)
 
     def _prune(self, saved: Path) -> None:
         """Rank 0, after committing ``saved`` (holding its lease): drop leftovers and
@@ -124,7 +124,7 @@ class CheckpointManager:
         deleted while too few whole ones remain.
         """
         for leftover in self.partial():
-            parsed = _layout.leftover_target(leftover)
+            parsed = layout.leftover_target(leftover)
             if parsed is None:
                 continue
             name, kind = parsed
@@ -140,7 +140,7 @@ class CheckpointManager:
                         f"before its commit",
                         stacklevel=2,
                     )
-                _layout.remove(leftover)
+                layout.remove(leftover)
         if self.keep_last is None:
             return
         steps = self.steps()
@@ -164,7 +164,7 @@ class CheckpointManager:
                 break
             with _lease_or_none(self.path(step)) as lease:
                 if lease is not None:
-                    _layout.remove(self.path(step))
+                    layout.remove(self.path(step))
 
     def save(
         self, step: int, state: Mapping[str, Any], *, overwrite: bool = False
@@ -255,7 +255,7 @@ class CheckpointManager:
 def _lease_or_none(target: Path) -> Iterator[Lease | None]:
     """The lease on ``target`` for the block, or None when a save holds it."""
     try:
-        lease, _ = acquire(target, _layout.new_token())
+        lease, _ = acquire(target, layout.new_token())
     except CheckpointInUseError:
         yield None
         return

@@ -45,9 +45,9 @@ from torch import Tensor
 
 from ckpt._chunks import chunk_dtensor, full_value, to_dtensor
 from ckpt._comm import on_device
+from ckpt._format.flat_pieces import FlatPieces
+from ckpt._format.save_planner import CaptureProblem
 from ckpt._fsdp_runs import as_run
-from ckpt._pieces import FlatPieces
-from ckpt._save_planner import CaptureProblem
 from ckpt._unit_exchange import shard_to_chunks
 from fsdp.units import FlatUnit, gather_flat
 

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from ckpt._comm import Comm
 from ckpt._errors import CheckpointCollectiveError, CheckpointError
-from ckpt._processes import ProcessId, state
+from ckpt._format.processes import ProcessId, state
 from flatparam import CollectiveError
 
 __all__ = ["is_backend_failure", "name_fault", "named_faults", "peers", "waited_for_commit"]

@@ -35,7 +35,7 @@ from safetensors import safe_open
 from torch import Tensor, nn
 
 from ckpt._errors import NotACheckpointError, ShapeMismatch, StateDictMismatchError
-from ckpt._manifest import balance_files
+from ckpt._format.manifest import balance_files
 from fsdp import is_flat_parameter, local_shards, unwrapped_name
 
 __all__ = ["PretrainedLoad", "load_pretrained"]

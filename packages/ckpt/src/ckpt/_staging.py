@@ -18,7 +18,7 @@ staged in one call (so the stager's memo sees every view of a storage) and put b
 A ``DTensor`` is staged as its local tensor and rebuilt on the copy with the same mesh,
 placements, shape and stride (the stager's deep copy of a ``DTensor`` reads the
 wrapper's own storage, which is invalid for a ``DTensor`` whose local tensor is a view
-at an offset, as ``fully_shard``'s are); :class:`~ckpt._pieces.FlatPieces` as their
+at an offset, as ``fully_shard``'s are); :class:`~ckpt._format.flat_pieces.FlatPieces` as their
 run. Other values (plain objects) are deep-copied by the stager, their tensors staged
 like the rest, so a value changed after ``async_save`` returned does not reach the
 checkpoint either; immutable ones (numbers, strings) are kept as they are. Putting the
@@ -41,7 +41,7 @@ import torch
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.tensor import DTensor
 
-from ckpt._pieces import FlatPieces
+from ckpt._format.flat_pieces import FlatPieces
 
 __all__ = ["Staged", "release_staging_buffers", "stage"]
 

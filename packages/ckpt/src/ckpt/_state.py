@@ -48,7 +48,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-from ckpt._manifest import Manifest
+from ckpt._format.manifest import Manifest
 
 __all__ = [
     "StateAdapter",

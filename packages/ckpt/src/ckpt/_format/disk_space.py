@@ -21,7 +21,7 @@ which says nothing about disks. So:
    reports are what a retry would have.
 
 Either way nothing of the failed save is left and the previous checkpoint is intact
-(the save never touched it: [Note: atomic commit] in ``_layout.py``). ``ckpt export``
+(the save never touched it: [Note: atomic commit] in ``_format/layout.py``). ``ckpt export``
 checks its (exactly known) output size the same way.
 """
 

@@ -12,10 +12,10 @@ Three rules keep every committed checkpoint whole, whatever the interleaving:
    the lease appears atomically and whole. A second writer finds it and raises
    :class:`~ckpt.CheckpointInUseError` naming the owner and the fix. The lease goes
    when the save commits or fails. A lease whose owner is gone (same host, its pid
-   dead or reused: see ``_processes.py``) is recovered: it was left by a killed save.
+   dead or reused: see ``_format/processes.py``) is recovered: it was left by a killed save.
    A lease from another host cannot be judged from here and is reported.
 2. Every save writes into a directory of its own, ``.<name>.<token>.partial``
-   (``_layout.py``): rank 0 draws the token and shares it with the ranks, so even two
+   (``_format/layout.py``): rank 0 draws the token and shares it with the ranks, so even two
    writers that both believe they hold the lease never share files.
 3. The commit refuses to replace what it did not see at the start: the occupant of
    the target (absent, or the committed checkpoint whose manifest it found) must be
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckpt._errors import CheckpointInUseError
-from ckpt._processes import ProcessId, state
+from ckpt._format.processes import ProcessId, state
 
 __all__ = ["Lease", "LeaseOwner", "acquire", "lease_file"]
 

@@ -3,7 +3,7 @@
 [Note: atomic commit]
 A checkpoint at ``P`` is written into the sibling directory ``.<P.name>.<token>.partial``
 (same parent, so the same filesystem; ``token`` is drawn by rank 0 for this save, so
-no two saves share one: [Note: one writer per checkpoint] in ``_lease.py``). Every
+no two saves share one: [Note: one writer per checkpoint] in ``_format/lease.py``). Every
 rank writes and fsyncs its own files there; when all ranks are done, rank 0 writes the
 manifest, fsyncs the directory and renames it to ``P`` (one ``rename(2)``, atomic on
 POSIX filesystems), then fsyncs the parent so the new name is durable. Hence:
@@ -41,7 +41,7 @@ from ckpt._errors import (
     NotACheckpointError,
     PartialCheckpointError,
 )
-from ckpt._manifest import MANIFEST_NAME
+from ckpt._format.manifest import MANIFEST_NAME
 
 __all__ = [
     "Occupant",

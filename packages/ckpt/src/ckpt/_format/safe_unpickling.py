@@ -51,8 +51,8 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
 from ckpt._errors import CorruptCheckpointError, FileProblem, UnsafeCheckpointError
-from ckpt._pieces import FlatPieces
-from ckpt._save_planner import raise_capture_problems
+from ckpt._format.flat_pieces import FlatPieces
+from ckpt._format.save_planner import raise_capture_problems
 
 __all__ = [
     "METADATA_NAME",
@@ -237,7 +237,7 @@ class SafeFileSystemReader(FileSystemReader):
 class SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's default load planner, reading non-tensor values with weights_only.
 
-    It also reads into :class:`~ckpt._pieces.FlatPieces` (an fsdp rank's runs of its
+    It also reads into :class:`~ckpt._format.flat_pieces.FlatPieces` (an fsdp rank's runs of its
     parameters, [Note: loading runs] in ``_fsdp_runs.py``): DCP's planner looks targets
     up only on tensors, and its set-up step replaces values it does not know with None,
     so the pieces are set aside during it and looked up here. A ``CaptureProblem`` in

@@ -19,7 +19,7 @@ the shard's memory as it is; an asynchronous one copies the shard once into a ho
 buffer), and a rank writes exactly the bytes it holds. ``FlatPieces`` speaks DCP's
 checkpointable protocol (``__create_write_items__``, ``__create_chunk_list__``,
 ``__get_tensor_shard__``); DCP's default planner looks a shard up only on tensors, so
-ckpt's save planner (``_save_planner.py``) asks the pieces directly.
+ckpt's save planner (``_format/save_planner.py``) asks the pieces directly.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ before reading any tensor and refuses a checkpoint whose file set, sizes or chec
 differ, so truncation, bit rot, a half-copied directory or a stray file are reported
 by name instead of loaded. The manifest is written last, inside the uncommitted
 directory, so a directory without one was never committed (see [Note: atomic commit]
-in ``_layout.py``).
+in ``_format/layout.py``).
 
 Hashing is split across ranks: at save each rank hashes the files it wrote
 (``file_owner``), at load the files are balanced over the loading ranks by size

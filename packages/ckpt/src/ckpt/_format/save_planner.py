@@ -1,6 +1,6 @@
 """DCP's default save planner, taught three things a ckpt save needs.
 
-* :class:`~ckpt._pieces.FlatPieces` values (an fsdp rank's runs of parameters, see
+* :class:`~ckpt._format.flat_pieces.FlatPieces` values (an fsdp rank's runs of parameters, see
   [Note: flat pieces]): DCP's planner looks shards up only on tensors, so this one
   asks the pieces for the box a write item names.
 * Views written without a copy: DCP clones a tensor whose storage is larger than the
@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
 from ckpt._errors import CheckpointError
-from ckpt._pieces import FlatPieces
+from ckpt._format.flat_pieces import FlatPieces
 
 __all__ = [
     "CaptureError",

@@ -2,11 +2,11 @@
 
 :class:`CheckpointReader` opens a committed ckpt checkpoint or a plain DCP directory
 (written by torch's FSDP1/FSDP2 or ``torch.distributed.checkpoint.save``, no manifest)
-read-only. Everything goes through ``_safe_pickle`` ([Note: no code from a
+read-only. Everything goes through ``_format.safe_unpickling`` ([Note: no code from a
 checkpoint]): the metadata with DCP's types only, non-tensor values and tensor chunks
 with ``weights_only``. Tensors are read chunk by chunk, as saved (a DTensor's shards,
 a rank's rows, the boxes of an fsdp rank's runs: [Note: flat pieces] in
-``_pieces.py``), so a caller can stream a checkpoint larger than memory; see
+``_format/flat_pieces.py``), so a caller can stream a checkpoint larger than memory; see
 :meth:`CheckpointReader.iter_row_blocks`.
 """
 
@@ -29,10 +29,16 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ckpt import _layout
 from ckpt._errors import CorruptCheckpointError, FileProblem, NotACheckpointError
-from ckpt._manifest import MANIFEST_NAME, Manifest, read_manifest
-from ckpt._safe_pickle import METADATA_NAME, SafeGlobals, load_object, read_metadata, read_slice
+from ckpt._format import layout
+from ckpt._format.manifest import MANIFEST_NAME, Manifest, read_manifest
+from ckpt._format.safe_unpickling import (
+    METADATA_NAME,
+    SafeGlobals,
+    load_object,
+    read_metadata,
+    read_slice,
+)
 
 __all__ = ["CheckpointReader", "TensorInfo"]
 
@@ -160,7 +166,7 @@ class CheckpointReader:
     def __init__(self, path: Path | str, safe_globals: SafeGlobals = ()) -> None:
         self.path = Path(path).absolute()
         if not self.path.is_dir():
-            raise _layout.not_a_checkpoint(self.path)
+            raise layout.not_a_checkpoint(self.path)
         if (self.path / MANIFEST_NAME).is_file():
             self.manifest = read_manifest(self.path)
         elif (self.path / METADATA_NAME).is_file():

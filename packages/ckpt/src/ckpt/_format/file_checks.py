@@ -22,7 +22,7 @@ from pathlib import Path
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ckpt._errors import FileProblem
-from ckpt._manifest import Manifest, check_file_set, listed_files
+from ckpt._format.manifest import Manifest, check_file_set, listed_files
 
 __all__ = ["dcp_file_problems", "dcp_referenced_bytes", "manifest_size_problems"]
 

@@ -1,7 +1,7 @@
 """Who a process is (host, pid, start time), and whether it still runs.
 
 Two things need it: a save's lease names its owner, and a lease whose owner died is
-recovered (``_lease.py``); a collective of a save or load that fails names the peer
+recovered (``_format/lease.py``); a collective of a save or load that fails names the peer
 that died or is stopped (``_peer_faults.py``). A pid alone is not an identity: pids
 are reused, so the process's start time (Linux ``/proc/<pid>/stat``, field 22, in
 clock ticks since boot) goes with it, and a process with the same pid but another

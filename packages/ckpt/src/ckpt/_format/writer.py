@@ -17,7 +17,7 @@ adds rounds of communication. So :class:`CheckpointWriter`:
   results, and commits in DCP's ``finish`` step (which runs on the coordinator once
   every rank wrote its files, and whose success or failure DCP then shares with every
   rank): ``.metadata`` is written (and hashed), then ``commit`` writes the manifest
-  and renames the directory ([Note: atomic commit] in ``_layout.py``); its result
+  and renames the directory ([Note: atomic commit] in ``_format/layout.py``); its result
   comes back to every rank with DCP's (see [Note: the commit's result rides back]).
 
 * switches off the CRC-32 that ``torch.save`` computes for every record of its zip
@@ -57,8 +57,8 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from ckpt._disk_space import SpaceCheckingWriter
-from ckpt._manifest import Checksum, FileRecord
+from ckpt._format.disk_space import SpaceCheckingWriter
+from ckpt._format.manifest import Checksum, FileRecord
 
 __all__ = ["CheckpointWriter", "commit_result"]
 
