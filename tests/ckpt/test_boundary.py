@@ -55,7 +55,7 @@ def later():
     import flatparam._shard as shard
 from fsdp import FullyShardedDataParallel, __version__
 from fsdp.units import flat_units
-from ckpt._chunks import chunk_bounds
+from ckpt._wrappers.sharded_chunks import chunk_bounds
 """
     assert _private_imports(source) == [
         "fsdp._runtime._common",

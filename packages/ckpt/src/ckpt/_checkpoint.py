@@ -9,7 +9,7 @@ in DCP's last step, writes the manifest and renames the directory into place
 ``_format/manifest.py`` and [Note: one pass over the bytes] in ``_format/writer.py``.
 
 ``save`` and ``async_save`` share one path ([Note: capture, then copy or write] in
-``_fsdp_runs.py``): the state is captured by reference without communication,
+``_wrappers/fsdp1_runs.py``): the state is captured by reference without communication,
 then written at once (``save``), or copied into reused host buffers (``_staging.py``)
 and written on a background thread over the checkpoint's own process group
 (``async_save``).
@@ -88,10 +88,10 @@ from ckpt._format.safe_unpickling import (
 )
 from ckpt._format.save_planner import CheckpointSavePlanner
 from ckpt._format.writer import CheckpointWriter, commit_result
-from ckpt._fqns import adopt_saved_names
 from ckpt._peer_faults import named_faults, peers, waited_for_commit
 from ckpt._staging import stage
-from ckpt._state import apply_loaded, to_state_dict
+from ckpt._wrappers.adapters import apply_loaded, to_state_dict
+from ckpt._wrappers.fqns import adopt_saved_names
 
 _E = TypeVar("_E", bound=BaseException)
 

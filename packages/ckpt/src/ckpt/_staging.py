@@ -2,7 +2,7 @@
 
 [Note: staging]
 An asynchronous save copies what the capture handed over (each rank's own tensors, by
-reference: [Note: capture, then copy or write] in ``_fsdp_runs.py``) before it
+reference: [Note: capture, then copy or write] in ``_wrappers/fsdp1_runs.py``) before it
 returns, because training changes those tensors in place from the next step on. The
 copy goes through torch's ``DefaultStager`` (DCP's own staging for ``async_save``),
 kept alive across saves: its ``StateDictStager`` keeps, for every source storage (held

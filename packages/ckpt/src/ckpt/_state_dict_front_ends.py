@@ -15,8 +15,8 @@ its model) handles that optimizer:
   (DDP usually; the model itself goes to the next front end that owns it);
 * :class:`Fsdp1Models`: models holding our ``fsdp.FullyShardedDataParallel`` (FSDP1,
   either ``use_orig_params``) and the optimizers over them, through ckpt's SHARDED and
-  FULL state dicts (``_fsdp_model_state.py``, ``_fsdp_optim_state.py``);
-* :class:`DTensorModels` (``_dtensor_state.py``): models whose parameters are
+  FULL state dicts (``_wrappers/fsdp1_model.py``, ``_wrappers/fsdp1_optim.py``);
+* :class:`DTensorModels` (``_wrappers/fully_shard.py``): models whose parameters are
   ``DTensor`` s (``fully_shard``'s, ours or torch's, and tensor-parallel ones) and the
   plain optimizers over them: their own ``state_dict()`` is already the sharded form;
 * :class:`TorchModels`: everything else (plain modules, DDP, torch's own FSDP1) by
@@ -40,21 +40,21 @@ from torch.distributed.checkpoint import state_dict as torch_state_dict
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.nn.modules.module import _IncompatibleKeys
 
-from ckpt._chunks import to_dtensor
 from ckpt._comm import Comm, device_of, on_device
-from ckpt._dtensor_state import DTensorModels
-from ckpt._fqns import group_names, only_submodules, root_prefix
-from ckpt._fsdp_optim_state import (
+from ckpt._rank0_broadcast import DROP
+from ckpt._wrappers.fqns import group_names, only_submodules, root_prefix
+from ckpt._wrappers.fsdp1_optim import (
     fsdp_optim_state_dict,
     init_optim_state,
     load_fsdp_optim_state_dict,
     param_names_by_group,
 )
-from ckpt._optim_dict_forms import GroupNames
-from ckpt._optim_state import has_fsdp
-from ckpt._rank0_broadcast import DROP
-from ckpt._state_dict_type import state_dict_type
-from ckpt._zero_state import load_zero_optim_state_dict, names_by_group, zero_optim_state_dict
+from ckpt._wrappers.fsdp1_state_dict_type import state_dict_type
+from ckpt._wrappers.fully_shard import DTensorModels
+from ckpt._wrappers.optim_dict_forms import GroupNames
+from ckpt._wrappers.optim_state import has_fsdp
+from ckpt._wrappers.sharded_chunks import to_dtensor
+from ckpt._wrappers.zero import load_zero_optim_state_dict, names_by_group, zero_optim_state_dict
 from fsdp import unwrapped_name
 from fsdp.api import (
     FullStateDictConfig,

@@ -23,7 +23,7 @@ for code that imports torch's.
 
 What happens per kind of model and optimizer is [Note: state-dict front ends]; what
 this module adds is the same for all: checking the options, one state dict for
-several optimizers (each takes its parameters' part back, ``_optim_dict_forms.py``),
+several optimizers (each takes its parameters' part back, ``_wrappers/optim_dict_forms.py``),
 the flattened optimizer form, ``broadcast_from_rank0`` (``_rank0_broadcast.py``) and
 the checks torch makes, with torch's words. A call that involves none of our wrappers
 is torch's own function, unchanged.
@@ -51,8 +51,6 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.nn.modules.module import _IncompatibleKeys
 
 from ckpt._comm import Comm, on_device
-from ckpt._fqns import root_prefix, tied_names
-from ckpt._optim_dict_forms import flatten, is_flattened, merge, rename_tied, split, unflatten
 from ckpt._rank0_broadcast import Path, broadcast_from_rank0
 from ckpt._state_dict_front_ends import (
     TORCH,
@@ -62,6 +60,15 @@ from ckpt._state_dict_front_ends import (
     comm_device,
     model_front_end,
     optimizer_front_end,
+)
+from ckpt._wrappers.fqns import root_prefix, tied_names
+from ckpt._wrappers.optim_dict_forms import (
+    flatten,
+    is_flattened,
+    merge,
+    rename_tied,
+    split,
+    unflatten,
 )
 
 __all__ = [
@@ -305,7 +312,7 @@ def _load_optims(
 
     def nest() -> bool:
         """The flattened form nested (the optimizers' groups say how), a tied parameter
-        under our name ([Note: a tied parameter's name] in ``_fqns.py``); whether it was
+        under our name ([Note: a tied parameter's name] in ``_wrappers/fqns.py``); whether it was
         flattened."""
         nonlocal state_dict
         state_dict = dict(rename_tied(state_dict, renames, what))

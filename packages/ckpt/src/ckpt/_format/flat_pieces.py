@@ -4,7 +4,8 @@
 An fsdp unit keeps its parameters flattened and cut into equal shards, so a rank holds
 ``param.reshape(-1)[start:end]`` of a parameter: a run of its row-major elements that
 may start and end in the middle of a row. The SHARDED state dict turns those runs into
-``torch.chunk`` rows (``_unit_exchange.py``), which takes an all-to-all per unit and a
+``torch.chunk`` rows (``_wrappers/fsdp1_unit_exchange.py``), which takes an all-to-all
+per unit and a
 copy of every byte. A checkpoint does not need that: DCP stores each tensor as a list
 of boxes (an offset and a size per dimension) from any ranks, and reads by overlap, so
 any box cover of a tensor loads into any layout (torch's FSDP1, ``fully_shard``, ours

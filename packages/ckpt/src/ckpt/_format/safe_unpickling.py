@@ -238,7 +238,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's default load planner, reading non-tensor values with weights_only.
 
     It also reads into :class:`~ckpt._format.flat_pieces.FlatPieces` (an fsdp rank's runs of its
-    parameters, [Note: loading runs] in ``_fsdp_runs.py``): DCP's planner looks targets
+    parameters, [Note: loading runs] in ``_wrappers/fsdp1_runs.py``): DCP's planner looks targets
     up only on tensors, and its set-up step replaces values it does not know with None,
     so the pieces are set aside during it and looked up here. A ``CaptureProblem`` in
     the template fails this rank's planning step, which DCP reports on every rank.

@@ -3,7 +3,7 @@
 [Note: a unit's bytes move once]
 Gathering a whole unit on every rank to hand each rank back a 1/N share of it (what a
 SHARDED state dict needs, see [Note: SHARDED is chunked per original parameter] in
-``_chunks.py``) moves N times the unit's bytes and holds the unit unsharded on
+``_wrappers/sharded_chunks.py``) moves N times the unit's bytes and holds the unit unsharded on
 every rank. Both layouts are known everywhere, so each rank can instead work out
 which of its flat elements another rank's chunks need and send exactly those:
 
@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ckpt._chunks import Interval, chunk_intervals, chunk_shape
+from ckpt._wrappers.sharded_chunks import Interval, chunk_intervals, chunk_shape
 from fsdp.units import FlatUnit
 
 __all__ = ["chunks_to_shard", "gather_params_on_rank0", "shard_to_chunks"]

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-from ckpt._optim_dict_forms import GroupNames
+from ckpt._wrappers.optim_dict_forms import GroupNames
 from fsdp import unwrapped_name
 from fsdp.units import flat_units
 

@@ -25,10 +25,10 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.modules.module import _IncompatibleKeys
 
 from ckpt._comm import Comm, on_device
-from ckpt._fqns import group_names, only_submodules, root_prefix, tied_names
-from ckpt._fsdp_optim_state import init_optim_state
-from ckpt._optim_dict_forms import GroupNames, rename_tied
-from ckpt._zero_state import names_by_group, param_names
+from ckpt._wrappers.fqns import group_names, only_submodules, root_prefix, tied_names
+from ckpt._wrappers.fsdp1_optim import init_optim_state
+from ckpt._wrappers.optim_dict_forms import GroupNames, rename_tied
+from ckpt._wrappers.zero import names_by_group, param_names
 
 __all__ = ["DTensorModels", "has_dtensor_params"]
 

@@ -1,7 +1,7 @@
 """Optimizer state of ``zero_optim.ZeroRedundancyOptimizer``, keyed by parameter FQNs.
 
 Each parameter's state lives on the one rank that owns it (the ZeRO partition). The
-FQN-keyed state dicts here have the layout of ``ckpt._fsdp_optim_state`` (the same as
+FQN-keyed state dicts here have the layout of ``ckpt._wrappers.fsdp1_optim`` (the same as
 ``torch.optim`` with names for indices), so a checkpoint written by DDP + zero_optim
 loads into an fsdp model and the other way round, at any world size:
 
@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ckpt._chunks import full_value
-from ckpt._fqns import tied_names
-from ckpt._optim_dict_forms import rename_tied
+from ckpt._wrappers.fqns import tied_names
+from ckpt._wrappers.optim_dict_forms import rename_tied
+from ckpt._wrappers.sharded_chunks import full_value
 from fsdp import unwrapped_name
 from zero_optim import ZeroRedundancyOptimizer
 
@@ -45,7 +45,7 @@ def _prefix(model: nn.Module) -> str:
 def param_names(model: nn.Module) -> dict[int, str]:
     """id(parameter) -> its FQN without wrapper prefixes (DDP's ``module.``, FSDP's); a
     tied parameter's is the first of its names, as torch's ([Note: a tied parameter's
-    name] in ``_fqns.py``)."""
+    name] in ``_wrappers/fqns.py``)."""
     prefix = _prefix(model)
     names: dict[int, str] = {}
     for name, p in model.named_parameters(remove_duplicate=False):

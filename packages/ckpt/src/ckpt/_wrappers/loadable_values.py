@@ -1,6 +1,6 @@
 """State-dict values from other tools made loadable: ``ShardedTensor`` and tensor-likes.
 
-The loaders in ``_fsdp_model_state`` and ``_fsdp_optim_state`` take plain tensors
+The loaders in ``_wrappers.fsdp1_model`` and ``_wrappers.fsdp1_optim`` take plain tensors
 and ``DTensor`` s. Two other kinds reach them through libraries built on torch's FSDP1:
 
 * ``ShardedTensor`` (torch's older sharded type), e.g. from
@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from ckpt._chunks import chunk_bounds, chunk_dtensor
+from ckpt._wrappers.sharded_chunks import chunk_bounds, chunk_dtensor
 
 __all__ = ["LoadableState", "loadable"]
 

@@ -3,7 +3,7 @@
 The same call works for an optimizer over an fsdp model, a ``zero_optim``
 ``ZeroRedundancyOptimizer`` and a plain ``torch.optim`` optimizer (under DDP or not),
 and what it returns loads into any of them at any world size: the state of each
-original parameter under its unwrapped name (see ``_fsdp_optim_state.py`` for the
+original parameter under its unwrapped name (see ``_wrappers/fsdp1_optim.py`` for the
 layout). ``full=False`` keeps the state sharded: ``DTensor`` chunks for fsdp, each
 rank's own parameters for zero_optim.
 """
@@ -22,8 +22,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from ckpt._fsdp_optim_state import fsdp_optim_state_dict, load_fsdp_optim_state_dict
-from ckpt._zero_state import load_zero_optim_state_dict, zero_optim_state_dict
+from ckpt._wrappers.fsdp1_optim import fsdp_optim_state_dict, load_fsdp_optim_state_dict
+from ckpt._wrappers.zero import load_zero_optim_state_dict, zero_optim_state_dict
 from fsdp import FullyShardedDataParallel
 from zero_optim import ZeroRedundancyOptimizer
 

@@ -20,7 +20,8 @@ Nothing here depends on the other ranks, so it cannot wait for them: a value tha
 be written as a run (optimizer state shaped unlike the parameter's piece) becomes a
 :class:`~ckpt._format.save_planner.CaptureProblem` leaf, which the planners raise in DCP's
 local planning step, from where DCP reports it on every rank. The optimizer's runs are
-made in ``_fsdp_optim_state.py`` (``fsdp_optim_runs``) and ``_orig_optim_state.py``.
+made in ``_wrappers/fsdp1_optim.py`` (``fsdp_optim_runs``) and
+``_wrappers/fsdp1_orig_params_optim.py``.
 
 [Note: loading runs]
 ``ckpt.load`` reads the same way round: its template for an FSDP1 model and optimizer is

@@ -13,13 +13,14 @@ here have one entry per *original* parameter instead, in the layout of
   SHARDED state dict (see [Note: SHARDED is chunked per original parameter]).
 
 Both forms load at any world size, into fsdp (``optim_state_dict_to_load``) and into
-``zero_optim``/plain optimizers (``ckpt._zero_state``), because nothing in them depends on
+``zero_optim``/plain optimizers (``ckpt._wrappers.zero``), because nothing in them depends on
 the flat layout. A state value is *per element* (split and concatenated with the
 parameters) when it is a tensor laid out like the flat shard; anything else (``step``,
 a 0-dim tensor) is *per parameter* and copied to each original parameter.
 
 Under ``use_orig_params=True`` the optimizer steps the original parameters (each this
-rank's piece of the flat shard) instead; ``ckpt._orig_optim_state`` turns their state
+rank's piece of the flat shard) instead; ``ckpt._wrappers.fsdp1_orig_params_optim``
+turns their state
 into the same FQN-keyed form and back, through the same per-unit gathers, so the
 forms above do not depend on the mode a checkpoint was written in.
 
@@ -43,19 +44,24 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from ckpt._chunks import chunk_dtensor, full_value, is_chunked_like_ours, to_dtensor
 from ckpt._comm import device_of, on_device
-from ckpt._fqns import tied_names
-from ckpt._fsdp_runs import shard_from_runs, unit_runs, unit_template
-from ckpt._loadable import LoadableState
-from ckpt._optim_dict_forms import rename_tied
-from ckpt._orig_optim_state import (
+from ckpt._wrappers.fqns import tied_names
+from ckpt._wrappers.fsdp1_orig_params_optim import (
     load_orig_param_state,
     orig_param_runs,
     orig_state_from_runs,
     orig_unit_state,
 )
-from ckpt._unit_exchange import chunks_to_shard, shard_to_chunks
+from ckpt._wrappers.fsdp1_runs import shard_from_runs, unit_runs, unit_template
+from ckpt._wrappers.fsdp1_unit_exchange import chunks_to_shard, shard_to_chunks
+from ckpt._wrappers.loadable_values import LoadableState
+from ckpt._wrappers.optim_dict_forms import rename_tied
+from ckpt._wrappers.sharded_chunks import (
+    chunk_dtensor,
+    full_value,
+    is_chunked_like_ours,
+    to_dtensor,
+)
 from flatparam import shard_flat
 from fsdp import to_fsdp_type, unwrapped_name
 from fsdp.api import OptimStateKeyType, StateDictType
@@ -284,7 +290,7 @@ def fsdp_optim_runs(
 ) -> dict[str, Any]:
     """The FQN-keyed optimizer state of an fsdp model as this rank's runs, without a
     collective: by reference for a save ([Note: capture, then copy or write] in
-    ``_fsdp_runs.py``), or fresh host tensors of the same layout for a load to fill
+    ``_wrappers/fsdp1_runs.py``), or fresh host tensors of the same layout for a load to fill
     (``template``, [Note: loading runs]). A value that cannot be a run is a
     ``CaptureProblem`` in its place, which the planner raises on every rank."""
     osd = optim.state_dict()
@@ -408,7 +414,7 @@ def load_fsdp_optim_state_dict(
 
     Accepts the full and the sharded form (DTensor values are gathered: a collective),
     or with ``runs`` this rank's runs as ckpt's load template made them ([Note: loading
-    runs] in ``_fsdp_runs.py``; no collective).
+    runs] in ``_wrappers/fsdp1_runs.py``; no collective).
     """
     if not isinstance(named, Mapping) or "state" not in named or "param_groups" not in named:
         raise ValueError(
@@ -503,7 +509,7 @@ def init_optim_state(optim: torch.optim.Optimizer) -> None:
 
 
 def _settings(model: nn.Module) -> tuple[StateDictType, bool, bool]:
-    from ckpt._state_dict_type import get_state_dict_type
+    from ckpt._wrappers.fsdp1_state_dict_type import get_state_dict_type
 
     settings = get_state_dict_type(model)
     config = settings.optim_state_dict_config

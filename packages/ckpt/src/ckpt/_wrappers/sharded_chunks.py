@@ -8,7 +8,7 @@ where each chunk lies in its unit's flat tensor), a full tensor to this rank's c
 unit's group), the test whether a loaded DTensor is chunked that way
 (``is_chunked_like_ours``) and any value back to a full tensor (``full_value``).
 What it is made from (a unit's parameters, shapes, flat ranges and group) comes
-from fsdp's public :mod:`fsdp.units`; ``_unit_exchange.py`` moves flat shards to
+from fsdp's public :mod:`fsdp.units`; ``_wrappers/fsdp1_unit_exchange.py`` moves flat shards to
 chunks and back without gathering a unit.
 
 [Note: SHARDED is chunked per original parameter]

@@ -6,7 +6,7 @@ views] in fsdp's ``_orig_params.py``), possibly empty. So its per-element state
 (``exp_avg`` ...) is a 1-D piece at the same offsets in the shard, and a parameter
 whose piece is empty, that is frozen, or that the optimizer does not hold, has no
 state on this rank. This module converts between that and the FQN-keyed state of
-``ckpt._fsdp_optim_state`` (whole parameters, or ``DTensor`` dimension-0 chunks),
+``ckpt._wrappers.fsdp1_optim`` (whole parameters, or ``DTensor`` dimension-0 chunks),
 through the same flat path as ``use_orig_params=False``:
 
 * saving: for each state key, this rank's pieces are put at their offsets in a
@@ -43,12 +43,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ckpt._chunks import chunk_dtensor, full_value, to_dtensor
 from ckpt._comm import on_device
 from ckpt._format.flat_pieces import FlatPieces
 from ckpt._format.save_planner import CaptureProblem
-from ckpt._fsdp_runs import as_run
-from ckpt._unit_exchange import shard_to_chunks
+from ckpt._wrappers.fsdp1_runs import as_run
+from ckpt._wrappers.fsdp1_unit_exchange import shard_to_chunks
+from ckpt._wrappers.sharded_chunks import chunk_dtensor, full_value, to_dtensor
 from fsdp.units import FlatUnit, gather_flat
 
 __all__ = [
@@ -261,7 +261,7 @@ def orig_state_from_runs(
     unit: FlatUnit, index: int, saved: Mapping[str, Any] | None, current: Mapping[str, Any]
 ) -> dict[str, Any] | None:
     """This rank's optimizer state of original parameter ``index`` from its run, as ckpt's
-    load template made it ([Note: loading runs] in ``_fsdp_runs.py``; no collective).
+    load template made it ([Note: loading runs] in ``_wrappers/fsdp1_runs.py``; no collective).
 
     ``current`` (the optimizer's own state of the parameter) says which keys are per
     element: a 0-dim parameter's run is a 0-dim tensor too. ``None`` when nothing was
@@ -291,7 +291,7 @@ def orig_param_runs(
     """The state of original parameter ``index`` as this rank's run of it, from its
     optimizer state of its piece (1-D; the whole parameter when unsharded): by reference
     for a save, fresh host tensors of the same layout for a load (``template``); see
-    [Note: capture, then copy or write] in ``_fsdp_runs.py``. No collective."""
+    [Note: capture, then copy or write] in ``_wrappers/fsdp1_runs.py``. No collective."""
     entry = unit.params[index]
     piece = local_pieces(unit).get(index)
     out: dict[str, Any] = {}

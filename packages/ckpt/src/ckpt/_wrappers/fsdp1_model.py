@@ -17,9 +17,9 @@ between forward passes). The post-hook replaces that key:
   ``rank0_only`` the other ranks send their shards to rank 0, which copies them into
   the parameters it returns: no rank holds a unit unsharded besides that result.
 * SHARDED: each parameter's dimension-0 chunk as a DTensor (see [Note: SHARDED is
-  chunked per original parameter] in ``_chunks.py``), moved straight from the
+  chunked per original parameter] in ``_wrappers/sharded_chunks.py``), moved straight from the
   flat shards to the chunks by one all-to-all (see [Note: a unit's bytes move once]
-  in ``_unit_exchange.py``): no rank holds the unit unsharded.
+  in ``_wrappers/fsdp1_unit_exchange.py``): no rank holds the unit unsharded.
 * LOCAL: the shard itself (padding included) as a ``DTensor`` of the padded flat
   tensor, which ``Shard(0)`` splits exactly as fsdp does; no communication.
 
@@ -47,11 +47,21 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Shard
 
-from ckpt._chunks import chunk_dtensor, full_value, is_chunked_like_ours, mesh_for, to_dtensor
 from ckpt._errors import CheckpointError
-from ckpt._fsdp_runs import shard_from_runs, unit_runs, unit_template
-from ckpt._loadable import loadable
-from ckpt._unit_exchange import chunks_to_shard, gather_params_on_rank0, shard_to_chunks
+from ckpt._wrappers.fsdp1_runs import shard_from_runs, unit_runs, unit_template
+from ckpt._wrappers.fsdp1_unit_exchange import (
+    chunks_to_shard,
+    gather_params_on_rank0,
+    shard_to_chunks,
+)
+from ckpt._wrappers.loadable_values import loadable
+from ckpt._wrappers.sharded_chunks import (
+    chunk_dtensor,
+    full_value,
+    is_chunked_like_ours,
+    mesh_for,
+    to_dtensor,
+)
 from flatparam import shard_flat
 from fsdp.api import StateDictConfig, StateDictType
 from fsdp.units import (
@@ -77,7 +87,7 @@ RUNS_ATTR = "_ckpt_runs"
 """Set by ckpt's adapter on FSDP instances whose SHARDED state dict is this rank's runs
 of the parameters: ``"save"``, views of the shard (and LOCAL entries the shard itself),
 by reference, without a copy or a collective ([Note: capture, then copy or write] in
-``_fsdp_runs.py``); ``"load"``, views of fresh buffers for DCP to fill, which
+``_wrappers/fsdp1_runs.py``); ``"load"``, views of fresh buffers for DCP to fill, which
 ``load_state_dict`` then puts into the shard ([Note: loading runs])."""
 
 
@@ -285,7 +295,7 @@ def _shard_from_runs(
     unit: FlatUnit, state_dict: dict[str, Any], missing_keys: list[str]
 ) -> Tensor | None:
     """This rank's shard from the runs a ``RUNS_ATTR="load"`` template made and DCP
-    filled ([Note: loading runs] in ``_fsdp_runs.py``): no collective."""
+    filled ([Note: loading runs] in ``_wrappers/fsdp1_runs.py``): no collective."""
     held = unit_runs(unit, unit.flat_param)  # which parameters this rank has runs of
     runs: dict[int, Any] = {}
     missing: list[str] = []

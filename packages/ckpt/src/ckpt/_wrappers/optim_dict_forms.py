@@ -116,7 +116,7 @@ def rename_tied(
 ) -> Mapping[str, Any]:
     """``state_dict`` (either form) with every tied parameter's other names (``renames``'
     keys) replaced by the one we give it (their values), see [Note: a tied parameter's
-    name] in ``_fqns.py``; not modified, returned as is when there is nothing to rename.
+    name] in ``_wrappers/fqns.py``; not modified, returned as is when there is nothing to rename.
     """
     if not renames or not state_dict:
         return state_dict

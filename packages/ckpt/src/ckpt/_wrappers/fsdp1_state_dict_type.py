@@ -1,7 +1,7 @@
 """Selecting a model's state-dict type: ``state_dict_type`` and its set/get halves.
 
 The setting is recorded on every FSDP instance in the model (as torch's FSDP does:
-``_state_dict_type``, ``_state_dict_config``, ``_optim_state_dict_config``), and from
+``_wrappers.fsdp1_state_dict_type``, ``_state_dict_config``, ``_optim_state_dict_config``), and from
 then on that instance's ``state_dict``/``load_state_dict`` hooks produce and accept the
 chosen type (see [Note: state-dict types live in ckpt] in fsdp). The model itself need
 not be an FSDP instance (``DDP(FSDP(...))``, a plain module holding FSDP children);
