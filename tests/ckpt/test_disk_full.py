@@ -183,7 +183,7 @@ def test_translated_from_the_failed_write(tmp_path: Path, where: str) -> None:
 def test_translated_when_the_manifest_does_not_fit(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import ckpt._checkpoint as checkpoint_module
+    import ckpt._commit.save_load as checkpoint_module
 
     def full(directory: Path, manifest: Any) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(directory))

@@ -13,8 +13,9 @@ and exports checkpoints. ``get_state_dict``/``set_state_dict`` and the rest of
 README.
 """
 
-from ckpt._agreement import CheckpointDisagreementError
-from ckpt._checkpoint import (
+from ckpt._commit.agreement import CheckpointDisagreementError
+from ckpt._commit.manager import CheckpointManager
+from ckpt._commit.save_load import (
     AsyncSave,
     CheckpointInfo,
     async_save,
@@ -23,6 +24,7 @@ from ckpt._checkpoint import (
     verify,
     wait_pending,
 )
+from ckpt._commit.staging import release_staging_buffers
 from ckpt._errors import (
     CheckpointCollectiveError,
     CheckpointError,
@@ -39,10 +41,7 @@ from ckpt._errors import (
     UnsafeCheckpointError,
 )
 from ckpt._format.manifest import MANIFEST_NAME, Checksum, FileRecord, Manifest
-from ckpt._manager import CheckpointManager
-from ckpt._pretrained import PretrainedLoad, load_pretrained
-from ckpt._staging import release_staging_buffers
-from ckpt._state_dict_functions import (
+from ckpt._state_dict_api.functions import (
     StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -51,6 +50,7 @@ from ckpt._state_dict_functions import (
     set_optimizer_state_dict,
     set_state_dict,
 )
+from ckpt._tools.pretrained import PretrainedLoad, load_pretrained
 from ckpt._version import __version__
 from ckpt._wrappers.adapters import (
     StateAdapter,

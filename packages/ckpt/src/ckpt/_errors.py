@@ -377,7 +377,7 @@ class CheckpointCollectiveError(CheckpointError, CollectiveError):
     ``"commit"``, ``"verifying"``, ``"reading"``; ``""`` when not known) and
     ``missing_ranks``: the ranks found dead or stopped (empty when it could not be
     told, e.g. the peer runs on another host). See [Note: naming a fault inside a
-    checkpoint] in ``_peer_faults.py``.
+    checkpoint] in ``_commit/peer_faults.py``.
     """
 
     def __init__(

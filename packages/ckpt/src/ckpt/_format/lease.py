@@ -23,7 +23,7 @@ Three rules keep every committed checkpoint whole, whatever the interleaving:
 
 Rule 1 gives the early, clear error; rules 2 and 3 hold even when it is bypassed (a
 lease file deleted by hand, two recoveries of one stale lease racing). The manager's
-pruning takes the lease of each checkpoint before it deletes it (``_manager.py``).
+pruning takes the lease of each checkpoint before it deletes it (``_commit/manager.py``).
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ import os
 import re
 import time
 import zlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,7 +57,6 @@ __all__ = [
     "hash_file",
     "read_manifest",
     "sign_manifest",
-    "verify_files",
     "write_manifest",
 ]
 
@@ -290,62 +289,3 @@ def balance_files(sizes: Mapping[str, int], world_size: int) -> list[list[str]]:
         out[rank].append(name)
         load[rank] += sizes[name]
     return [sorted(names) for names in out]
-
-
-def listed_files(directory: Path) -> list[str]:
-    """The names a manifest must cover: every entry of ``directory`` but the manifest."""
-    return sorted(p.name for p in directory.iterdir() if p.name != MANIFEST_NAME)
-
-
-def check_file_set(manifest: Manifest, present: Sequence[str]) -> list[FileProblem]:
-    """Files the manifest lists that are absent, and files present it does not list."""
-    expected = {f.name for f in manifest.files}
-    found = set(present)
-    problems = [
-        FileProblem(name, "missing", "listed in the manifest but not on disk")
-        for name in sorted(expected - found)
-    ]
-    problems += [
-        FileProblem(name, "unexpected", "on disk but not in the manifest")
-        for name in sorted(found - expected)
-    ]
-    return problems
-
-
-def verify_files(directory: Path, manifest: Manifest, names: Iterable[str]) -> list[FileProblem]:
-    """Check the size, then the checksum, of each named file against the manifest.
-
-    Files absent from disk are skipped here (``check_file_set`` reports them); a size
-    mismatch is reported without hashing, since it already proves damage.
-    """
-    records = {f.name: f for f in manifest.files}
-    problems: list[FileProblem] = []
-    for name in names:
-        rec = records[name]
-        path = directory / name
-        try:
-            size = path.stat().st_size
-            if size != rec.size:
-                how = "truncated" if size < rec.size else "grown"
-                problems.append(
-                    FileProblem(
-                        name, "size", f"{how}: {size} bytes on disk, manifest says {rec.size}"
-                    )
-                )
-                continue
-            actual = hash_file(path, manifest.checksum)
-        except FileNotFoundError:
-            continue
-        except OSError as e:
-            problems.append(FileProblem(name, "unreadable", f"{type(e).__name__}: {e}"))
-            continue
-        if actual.digest != rec.digest:
-            problems.append(
-                FileProblem(
-                    name,
-                    "checksum",
-                    f"content altered: {manifest.checksum.value} {actual.digest} on disk, "
-                    f"manifest says {rec.digest}",
-                )
-            )
-    return problems

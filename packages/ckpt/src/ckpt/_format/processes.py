@@ -2,7 +2,7 @@
 
 Two things need it: a save's lease names its owner, and a lease whose owner died is
 recovered (``_format/lease.py``); a collective of a save or load that fails names the peer
-that died or is stopped (``_peer_faults.py``). A pid alone is not an identity: pids
+that died or is stopped (``_commit/peer_faults.py``). A pid alone is not an identity: pids
 are reused, so the process's start time (Linux ``/proc/<pid>/stat``, field 22, in
 clock ticks since boot) goes with it, and a process with the same pid but another
 start time is another process. Only processes on this host can be looked at; for

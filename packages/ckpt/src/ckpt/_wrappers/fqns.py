@@ -7,12 +7,12 @@ ends]) and ckpt's adapters.
 A parameter reachable under several names (an embedding tied to the LM head) has one
 optimizer state. torch's state-dict API keys it by the first name the model's
 ``named_parameters()`` yields (``transformer.wte.weight``), and so do we: the names
-come from ``_zero_state.param_names`` (``fully_shard``, DDP + zero_optim, plain
+come from :func:`param_names` (``fully_shard``, DDP + zero_optim, plain
 models) and ``fsdp.units`` (FSDP1, whose ``UnitParam.fqn`` is that name). Before issue
 33 ours keyed it by the last one (``lm_head.weight``) for ``fully_shard``, DDP +
 zero_optim and an FSDP1 tie across units, so neither side loaded the other's
 checkpoint. Every load takes either name: the state-dict API and FSDP1's and ZeRO's
-loaders through :func:`tied_names` and ``_optim_dict_forms.rename_tied``,
+loaders through :func:`tied_names` and ``optim_dict_forms.rename_tied``,
 ``ckpt.load`` by :func:`adopt_saved_names` on its template. A model state dict holds
 a tied parameter under all its names, as torch's does.
 """
@@ -25,12 +25,25 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions
+from torch.nn.modules.module import _IncompatibleKeys
 
 from ckpt._wrappers.optim_dict_forms import GroupNames
 from fsdp import unwrapped_name
 from fsdp.units import flat_units
 
-__all__ = ["adopt_saved_names", "group_names", "only_submodules", "root_prefix", "tied_names"]
+__all__ = [
+    "adopt_saved_names",
+    "ddp_prefix",
+    "group_names",
+    "groups_by_name",
+    "load_by_fqn",
+    "names_by_group",
+    "only_submodules",
+    "param_names",
+    "root_prefix",
+    "state_by_fqn",
+    "tied_names",
+]
 
 
 def root_prefix(model: nn.Module) -> str:
@@ -50,6 +63,42 @@ def root_prefix(model: nn.Module) -> str:
         prefix, model = prefix + level, inner
 
 
+def state_by_fqn(
+    model: nn.Module,
+    options: StateDictOptions,
+    submodules: set[nn.Module] | None,
+    frozen: Callable[[str], set[str]],
+) -> dict[str, Any]:
+    """``model.state_dict()`` keyed by FQN: :func:`root_prefix` removed, the names
+    ``frozen(prefix)`` gives left out under ``ignore_frozen_params``, and the
+    ``submodules=`` filter applied. Values as the model's own state dict holds them."""
+    prefix = root_prefix(model)
+    with torch.no_grad():
+        raw = model.state_dict()
+    state = {k.removeprefix(prefix): v for k, v in raw.items()}
+    if options.ignore_frozen_params:
+        left_out = frozen(prefix)
+        state = {k: v for k, v in state.items() if k not in left_out}
+    if submodules:
+        state = only_submodules(model, state, submodules, options, prefix)
+    return state
+
+
+def load_by_fqn(
+    model: nn.Module, state_dict: Mapping[str, Any], strict: bool, prefix: str
+) -> _IncompatibleKeys:
+    """``model.load_state_dict`` of an FQN-keyed ``state_dict`` (``prefix``, from
+    :func:`root_prefix`, put back), reporting the keys it found amiss as FQNs too."""
+    with torch.no_grad():
+        result = model.load_state_dict(
+            {prefix + k: v for k, v in state_dict.items()}, strict=strict
+        )
+    return _IncompatibleKeys(
+        [k.removeprefix(prefix) for k in result.missing_keys],
+        [k.removeprefix(prefix) for k in result.unexpected_keys],
+    )
+
+
 def group_names(
     optim: torch.optim.Optimizer, names: list[list[tuple[str, bool]]]
 ) -> list[GroupNames]:
@@ -62,6 +111,57 @@ def group_names(
         )
         for group, row in zip(optim.param_groups, names, strict=True)
     ]
+
+
+def groups_by_name(
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    prefix: str = "",
+    needs_state: Callable[[nn.Parameter], bool] = lambda p: p.requires_grad,
+) -> list[GroupNames]:
+    """``optim``'s parameter groups by FQN (``prefix`` removed), each parameter marked
+    by ``needs_state`` (default: it trains) as one this rank loads state for."""
+    rows = [
+        [
+            (n.removeprefix(prefix), needs_state(p))
+            for n, p in zip(names, group["params"], strict=True)
+        ]
+        for names, group in zip(names_by_group(model, optim), optim.param_groups, strict=True)
+    ]
+    return group_names(optim, rows)
+
+
+def ddp_prefix(model: nn.Module) -> str:
+    """DDP's ``module.`` where ``model`` is a DDP, else nothing."""
+    return "module." if isinstance(model, nn.parallel.DistributedDataParallel) else ""
+
+
+def param_names(model: nn.Module) -> dict[int, str]:
+    """id(parameter) -> its FQN without wrapper prefixes (DDP's ``module.``, FSDP's); a
+    tied parameter's is the first of its names, as torch's ([Note: a tied parameter's
+    name] above)."""
+    prefix = ddp_prefix(model)
+    names: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), unwrapped_name(name).removeprefix(prefix))
+    return names
+
+
+def names_by_group(model: nn.Module, zero: torch.optim.Optimizer) -> list[list[str]]:
+    """Per parameter group of ``zero`` (any optimizer over ``model``): its parameters' FQNs."""
+    names = param_names(model)
+    out: list[list[str]] = []
+    for group in zero.param_groups:
+        row = []
+        for p in group["params"]:
+            if id(p) not in names:
+                raise ValueError(
+                    f"the {type(zero).__name__} holds a parameter of shape {tuple(p.shape)} that "
+                    "is not a parameter of the model; pass the model it was built from"
+                )
+            row.append(names[id(p)])
+        out.append(row)
+    return out
 
 
 def only_submodules(

@@ -55,7 +55,7 @@ from ckpt._wrappers.fsdp1_orig_params_optim import (
 from ckpt._wrappers.fsdp1_runs import shard_from_runs, unit_runs, unit_template
 from ckpt._wrappers.fsdp1_unit_exchange import chunks_to_shard, shard_to_chunks
 from ckpt._wrappers.loadable_values import LoadableState
-from ckpt._wrappers.optim_dict_forms import rename_tied
+from ckpt._wrappers.optim_dict_forms import copy_value, rename_tied
 from ckpt._wrappers.sharded_chunks import (
     chunk_dtensor,
     full_value,
@@ -158,12 +158,6 @@ def _is_flat_state(value: Any, unit: FlatUnit) -> bool:
     )
 
 
-def _copy(value: Any, device: torch.device | None) -> Any:
-    if isinstance(value, Tensor):
-        return value.detach().to(device or value.device, copy=True)
-    return copy.deepcopy(value)
-
-
 def _unit_state(
     unit: FlatUnit, flat_state: Mapping[str, Any], sharded: bool, device: torch.device | None
 ) -> Iterator[tuple[str, dict[str, Any]]]:
@@ -183,11 +177,11 @@ def _unit_state(
                 if sharded:
                     per_param[e.fqn][key] = to_dtensor(piece, group, dev)
                 else:
-                    per_param[e.fqn][key] = _copy(piece, device)
+                    per_param[e.fqn][key] = copy_value(piece, device)
             del full
         else:
             for e in unit.params:
-                per_param[e.fqn][key] = _copy(value, device)
+                per_param[e.fqn][key] = copy_value(value, device)
     yield from per_param.items()
 
 
@@ -253,7 +247,7 @@ def fsdp_optim_state_dict(
         if slot_state is None:
             continue
         if slot.unit is None:
-            state[slot.fqn] = {k: _copy(v, device) for k, v in slot_state.items()}
+            state[slot.fqn] = {k: copy_value(v, device) for k, v in slot_state.items()}
             continue
         for fqn, value in _unit_state(slot.unit, slot_state, sharded, device):
             if keep:
@@ -305,7 +299,7 @@ def fsdp_optim_runs(
         slot = _slot_of(slots, p)
         if slot.unit is None:
             state[slot.fqn] = (
-                {k: _copy(v, device) for k, v in saved.items()} if template else dict(saved)
+                {k: copy_value(v, device) for k, v in saved.items()} if template else dict(saved)
             )
         elif slot.index is None:
             state.update(_flat_unit_runs(slot.unit, saved, template))
@@ -356,7 +350,7 @@ def _flat_state_of_unit(
         per_element = any(isinstance(v, Tensor) and v.dim() > 0 for v in values)
         if not per_element:
             first = values[0]
-            out[key] = first.detach().clone() if isinstance(first, Tensor) else copy.deepcopy(first)
+            out[key] = copy_value(first, None)
             continue
         for e, v in zip(unit.params, values, strict=True):
             if not isinstance(v, Tensor) or tuple(v.shape) != tuple(e.shape):
@@ -398,7 +392,7 @@ def _flat_state_from_runs(
             out[key] = shard_from_runs(unit, values, now.dtype, now.device)
             continue
         first = next(iter(values.values()))
-        out[key] = first.detach().clone() if isinstance(first, Tensor) else copy.deepcopy(first)
+        out[key] = copy_value(first, None)
     return out
 
 
@@ -541,7 +535,8 @@ def optim_state_dict(
         device = torch.device("cpu") if offload else None
         return {
             "state": {
-                i: {k: _copy(v, device) for k, v in s.items()} for i, s in local["state"].items()
+                i: {k: copy_value(v, device) for k, v in s.items()}
+                for i, s in local["state"].items()
             },
             "param_groups": copy.deepcopy(local["param_groups"]),
         }

@@ -6,7 +6,7 @@
 into the dict DCP writes, by reference to the object's own tensors and without any
 communication (the *capture*). A synchronous save writes that dict at once; an
 asynchronous one first copies its tensors into host buffers kept for the next save
-(``_staging.py``), returns, and writes the copy in the background. For our FSDP1 model
+(``_commit/staging.py``), returns, and writes the copy in the background. For our FSDP1 model
 and its optimizer the capture is each unit's flat shard as the runs of the original
 parameters it holds ([Note: flat pieces] in ``_format/flat_pieces.py``): a parameter this rank
 holds whole is a plain view of the shard, one it holds part of is a

@@ -18,17 +18,23 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.modules.module import _IncompatibleKeys
 
-from ckpt._comm import Comm, on_device
-from ckpt._wrappers.fqns import group_names, only_submodules, root_prefix, tied_names
+from ckpt._comm import Comm, global_rank, on_device
+from ckpt._wrappers.fqns import (
+    groups_by_name,
+    load_by_fqn,
+    names_by_group,
+    param_names,
+    root_prefix,
+    state_by_fqn,
+    tied_names,
+)
 from ckpt._wrappers.fsdp1_optim import init_optim_state
 from ckpt._wrappers.optim_dict_forms import GroupNames, rename_tied
-from ckpt._wrappers.zero import names_by_group, param_names
 
 __all__ = ["DTensorModels", "has_dtensor_params"]
 
@@ -72,22 +78,14 @@ class DTensorModels:
     def model_state_dict(
         self, model: nn.Module, options: StateDictOptions, submodules: set[nn.Module] | None
     ) -> dict[str, Any]:
-        prefix = root_prefix(model)
-        with torch.no_grad():
-            raw = model.state_dict()
-        state = {k.removeprefix(prefix): v for k, v in raw.items()}
-        if options.ignore_frozen_params:
-            frozen = {
-                n.removeprefix(prefix)
-                for n, p in model.named_parameters(remove_duplicate=False)
-                if not p.requires_grad
-            }
-            state = {k: v for k, v in state.items() if k not in frozen}
-        if submodules:
-            state = only_submodules(model, state, submodules, options, prefix)
+        def frozen(prefix: str) -> set[str]:
+            named = model.named_parameters(remove_duplicate=False)
+            return {n.removeprefix(prefix) for n, p in named if not p.requires_grad}
+
+        state = state_by_fqn(model, options, submodules, frozen)
         if options.full_state_dict:
             state = {k: _full(v, options.cpu_offload) for k, v in state.items()}
-            if options.cpu_offload and dist.is_initialized() and dist.get_rank() != 0:
+            if options.cpu_offload and global_rank() != 0:
                 return {}  # full and offloaded: on rank 0 only, as torch's
         elif options.cpu_offload:
             state = {k: _offload(v) for k, v in state.items()}
@@ -103,14 +101,7 @@ class DTensorModels:
             k: _as_like(v, current[prefix + k]) if prefix + k in current else v
             for k, v in state_dict.items()
         }
-        with torch.no_grad():
-            result = model.load_state_dict(
-                {prefix + k: v for k, v in given.items()}, strict=options.strict
-            )
-        return _IncompatibleKeys(
-            [k.removeprefix(prefix) for k in result.missing_keys],
-            [k.removeprefix(prefix) for k in result.unexpected_keys],
-        )
+        return load_by_fqn(model, given, options.strict, prefix)
 
     def model_keeper(self, model: nn.Module) -> Any:
 
@@ -152,7 +143,7 @@ class DTensorModels:
                     state[fqn] = dict(values)
             groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": fqns})
         rank0_only = full and (options.cpu_offload or options.broadcast_from_rank0)
-        if rank0_only and dist.is_initialized() and dist.get_rank() != 0:
+        if rank0_only and global_rank() != 0:
             return {}
         return {"state": state, "param_groups": groups}
 
@@ -196,16 +187,7 @@ class DTensorModels:
         optim.load_state_dict({"state": state, "param_groups": groups})
 
     def param_groups(self, model: nn.Module, optim: torch.optim.Optimizer) -> list[GroupNames]:
-
-        prefix = root_prefix(model)
-        rows = [
-            [
-                (n.removeprefix(prefix), p.requires_grad)
-                for n, p in zip(names, group["params"], strict=True)
-            ]
-            for names, group in zip(names_by_group(model, optim), optim.param_groups, strict=True)
-        ]
-        return group_names(optim, rows)
+        return groups_by_name(model, optim, root_prefix(model))
 
     def optimizer_keeper(self, model: nn.Module, optim: torch.optim.Optimizer) -> Any:
 

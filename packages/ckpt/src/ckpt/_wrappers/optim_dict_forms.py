@@ -17,11 +17,12 @@ module converts between these: :func:`merge` several optimizers' dicts into one,
 :func:`split` out what one optimizer holds, :func:`flatten` and :func:`unflatten`,
 and :func:`rename_tied` puts a tied parameter's state under the name we give it.
 Nothing here communicates or knows a wrapper; the names come from the front ends
-(``_state_dict_front_ends.py``).
+(``_state_dict_api/front_ends.py``).
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,7 @@ from torch import Tensor
 
 __all__ = [
     "GroupNames",
+    "copy_value",
     "flatten",
     "is_flattened",
     "merge",
@@ -278,3 +280,11 @@ def split(
                     "optimizer state. To load anyway, use StateDictOptions(strict=False)."
                 )
     return {_STATE: state, _GROUPS: out_groups}
+
+
+def copy_value(value: Any, device: torch.device | None) -> Any:
+    """A state value copied for a state dict: a tensor detached onto ``device`` (default:
+    its own), anything else deep-copied, so the result never aliases the optimizer's."""
+    if isinstance(value, Tensor):
+        return value.detach().to(device or value.device, copy=True)
+    return copy.deepcopy(value)

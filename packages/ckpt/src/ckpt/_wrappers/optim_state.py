@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from ckpt._wrappers.fsdp1_optim import fsdp_optim_state_dict, load_fsdp_optim_state_dict
+from ckpt._wrappers.fully_shard import has_dtensor_params
 from ckpt._wrappers.zero import load_zero_optim_state_dict, zero_optim_state_dict
 from fsdp import FullyShardedDataParallel
 from zero_optim import ZeroRedundancyOptimizer
@@ -71,13 +72,9 @@ def load_optim_state_dict(
         optim.load_state_dict(load_fsdp_optim_state_dict(model, optim, state_dict))
     else:
         # Full tensors for DTensor parameters (fully_shard): torch's loader distributes them.
-        full = _has_dtensor_params(model) and not _has_dtensor_values(state_dict)
+        full = has_dtensor_params(model) and not _has_dtensor_values(state_dict)
         options = StateDictOptions(full_state_dict=full)
         set_optimizer_state_dict(model, optim, dict(state_dict), options=options)
-
-
-def _has_dtensor_params(model: nn.Module) -> bool:
-    return any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def _has_dtensor_values(obj: Any) -> bool:

@@ -24,56 +24,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ckpt._wrappers.fqns import tied_names
-from ckpt._wrappers.optim_dict_forms import rename_tied
+from ckpt._wrappers.fqns import ddp_prefix, names_by_group, tied_names
+from ckpt._wrappers.optim_dict_forms import copy_value, rename_tied
 from ckpt._wrappers.sharded_chunks import full_value
-from fsdp import unwrapped_name
 from zero_optim import ZeroRedundancyOptimizer
 
-__all__ = [
-    "load_zero_optim_state_dict",
-    "names_by_group",
-    "param_names",
-    "zero_optim_state_dict",
-]
-
-
-def _prefix(model: nn.Module) -> str:
-    return "module." if isinstance(model, nn.parallel.DistributedDataParallel) else ""
-
-
-def param_names(model: nn.Module) -> dict[int, str]:
-    """id(parameter) -> its FQN without wrapper prefixes (DDP's ``module.``, FSDP's); a
-    tied parameter's is the first of its names, as torch's ([Note: a tied parameter's
-    name] in ``_wrappers/fqns.py``)."""
-    prefix = _prefix(model)
-    names: dict[int, str] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), unwrapped_name(name).removeprefix(prefix))
-    return names
-
-
-def names_by_group(model: nn.Module, zero: torch.optim.Optimizer) -> list[list[str]]:
-    """Per parameter group of ``zero`` (any optimizer over ``model``): its parameters' FQNs."""
-    names = param_names(model)
-    out: list[list[str]] = []
-    for group in zero.param_groups:
-        row = []
-        for p in group["params"]:
-            if id(p) not in names:
-                raise ValueError(
-                    f"the {type(zero).__name__} holds a parameter of shape {tuple(p.shape)} that "
-                    "is not a parameter of the model; pass the model it was built from"
-                )
-            row.append(names[id(p)])
-        out.append(row)
-    return out
-
-
-def _copy(value: Any, device: torch.device | None) -> Any:
-    if isinstance(value, Tensor):
-        return value.detach().to(device or value.device, copy=True)
-    return copy.deepcopy(value)
+__all__ = ["load_zero_optim_state_dict", "zero_optim_state_dict"]
 
 
 def _parts_one_owner_at_a_time(
@@ -130,7 +86,7 @@ def zero_optim_state_dict(
         st = zero.optim.state.get(p)
         if st:
             mine[by_id[id(p)]] = (
-                dict(st) if by_reference else {k: _copy(v, device) for k, v in st.items()}
+                dict(st) if by_reference else {k: copy_value(v, device) for k, v in st.items()}
             )
     state = mine
     if full:
@@ -157,7 +113,7 @@ def load_zero_optim_state_dict(
             "expected an optimizer state dict with 'state' and 'param_groups' keyed by "
             "parameter names"
         )
-    named = rename_tied(named, tied_names(model, _prefix(model)), "load_zero_optim_state_dict")
+    named = rename_tied(named, tied_names(model, ddp_prefix(model)), "load_zero_optim_state_dict")
     names = names_by_group(model, zero)
     saved_groups = named["param_groups"]
     if len(saved_groups) != len(names):

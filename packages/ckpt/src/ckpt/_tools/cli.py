@@ -11,7 +11,7 @@ Scripts branch on the exit status and parse ``--json``, so both are a contract:
 
 - every subcommand takes ``--json``: one JSON document on stdout whatever happens
   (a failure is ``{"error": {"status", "kind", "message", "problems"}}``), with real
-  JSON values (``_json_values``), never Python reprs;
+  JSON values (``_tools.json_values``), never Python reprs;
 - every problem with a checkpoint's files has its status (4: missing, truncated,
   unreadable or differing from the manifest), and the message names the file;
 - a reader that goes away (``ckpt inspect CK | head``) ends the program quietly with
@@ -42,7 +42,19 @@ from ckpt._errors import (
     SignatureError,
     UnsafeCheckpointError,
 )
-from ckpt._export import (
+from ckpt._format import layout
+from ckpt._format.file_checks import (
+    check_file_set,
+    dcp_file_problems,
+    dcp_referenced_bytes,
+    listed_files,
+    manifest_size_problems,
+    verify_files,
+)
+from ckpt._format.manifest import MANIFEST_NAME, check_signature, read_manifest
+from ckpt._format.reader import CheckpointReader
+from ckpt._format.safe_unpickling import METADATA_NAME, SafeGlobals, check_objects, read_metadata
+from ckpt._tools.export import (
     DEFAULT_BUFFER_BYTES,
     ExportTargetError,
     export,
@@ -50,19 +62,7 @@ from ckpt._export import (
     parse_size,
     target_format,
 )
-from ckpt._format import layout
-from ckpt._format.file_checks import dcp_file_problems, dcp_referenced_bytes, manifest_size_problems
-from ckpt._format.manifest import (
-    MANIFEST_NAME,
-    check_file_set,
-    check_signature,
-    listed_files,
-    read_manifest,
-    verify_files,
-)
-from ckpt._format.reader import CheckpointReader
-from ckpt._format.safe_unpickling import METADATA_NAME, SafeGlobals, check_objects, read_metadata
-from ckpt._json_values import json_value
+from ckpt._tools.json_values import json_value
 
 __all__ = ["EXIT_CORRUPT", "EXIT_NOT_A_CHECKPOINT", "EXIT_UNTRUSTED", "main"]
 

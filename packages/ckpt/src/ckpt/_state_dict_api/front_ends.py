@@ -5,7 +5,7 @@ torch's ``get_state_dict`` family (``torch.distributed.checkpoint.state_dict``) 
 one form for every kind of model: parameter names without wrapper prefixes (FQNs),
 sharded values as ``DTensor`` s, optimizer state keyed by those names. Here each kind
 of model, or of optimizer, is a *front end* that makes and takes that form, and the
-public functions (``_state_dict_functions.py``) do what does not depend on the kind:
+public functions (``_state_dict_api/functions.py``) do what does not depend on the kind:
 the options, several optimizers, the flattened optimizer form, ``broadcast_from_rank0``
 and the checks. The first front end in :data:`MODEL_FRONT_ENDS` that owns a model
 handles it, and the first in :data:`OPTIMIZER_FRONT_ENDS` that owns an optimizer (given
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from functools import partial
 from typing import Any, Protocol
 
 import torch
@@ -41,8 +42,15 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.nn.modules.module import _IncompatibleKeys
 
 from ckpt._comm import Comm, device_of, on_device
-from ckpt._rank0_broadcast import DROP
-from ckpt._wrappers.fqns import group_names, only_submodules, root_prefix
+from ckpt._state_dict_api.rank0_broadcast import DROP
+from ckpt._wrappers.fqns import (
+    group_names,
+    groups_by_name,
+    load_by_fqn,
+    names_by_group,
+    root_prefix,
+    state_by_fqn,
+)
 from ckpt._wrappers.fsdp1_optim import (
     fsdp_optim_state_dict,
     init_optim_state,
@@ -54,7 +62,7 @@ from ckpt._wrappers.fully_shard import DTensorModels
 from ckpt._wrappers.optim_dict_forms import GroupNames
 from ckpt._wrappers.optim_state import has_fsdp
 from ckpt._wrappers.sharded_chunks import to_dtensor
-from ckpt._wrappers.zero import load_zero_optim_state_dict, names_by_group, zero_optim_state_dict
+from ckpt._wrappers.zero import load_zero_optim_state_dict, zero_optim_state_dict
 from fsdp import unwrapped_name
 from fsdp.api import (
     FullStateDictConfig,
@@ -84,7 +92,7 @@ __all__ = [
 
 Keeper = Callable[[str, Tensor], Any]
 """(name, full tensor from rank 0) -> what this rank keeps, or ``DROP``; see
-``_rank0_broadcast.py``. For a model the name is the state-dict key, for an optimizer
+``_state_dict_api/rank0_broadcast.py``. For a model the name is the state-dict key, for an optimizer
 the parameter's FQN (the tensor is one of its state values)."""
 
 
@@ -228,16 +236,8 @@ class Fsdp1Models:
             config = FullStateDictConfig(
                 offload_to_cpu=options.cpu_offload, rank0_only=options.cpu_offload
             )
-        with torch.no_grad(), state_dict_type(model, sd_type, config):
-            raw = model.state_dict()
-        prefix = root_prefix(model)
-        state = {k.removeprefix(prefix): v for k, v in raw.items()}
-        if options.ignore_frozen_params:
-            frozen = self._frozen_names(model, prefix)
-            state = {k: v for k, v in state.items() if k not in frozen}
-        if submodules:
-            state = only_submodules(model, state, submodules, options, prefix)
-        return state
+        with state_dict_type(model, sd_type, config):
+            return state_by_fqn(model, options, submodules, partial(self._frozen_names, model))
 
     def _frozen_names(self, model: nn.Module, prefix: str) -> set[str]:
         frozen: set[str] = set()
@@ -256,15 +256,8 @@ class Fsdp1Models:
     def load_model_state_dict(
         self, model: nn.Module, state_dict: dict[str, Any], options: StateDictOptions
     ) -> _IncompatibleKeys:
-        prefix = root_prefix(model)
-        if prefix:
-            state_dict = {prefix + k: v for k, v in state_dict.items()}
-        with torch.no_grad(), state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
-            result = model.load_state_dict(state_dict, strict=options.strict)
-        return _IncompatibleKeys(
-            [k.removeprefix(prefix) for k in result.missing_keys],
-            [k.removeprefix(prefix) for k in result.unexpected_keys],
-        )
+        with state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+            return load_by_fqn(model, state_dict, options.strict, root_prefix(model))
 
     def _units_by_name(self, model: nn.Module) -> dict[str, tuple[FlatUnit, torch.Size]]:
         prefix = root_prefix(model)
@@ -388,14 +381,9 @@ class ZeroOptimizers:
     def param_groups(self, model: nn.Module, optim: torch.optim.Optimizer) -> list[GroupNames]:
         assert isinstance(optim, ZeroRedundancyOptimizer)
         owned = {id(p) for p in optim.params_per_rank[optim.rank]}
-        rows = [
-            [
-                (n, p.requires_grad and id(p) in owned)
-                for n, p in zip(names, group["params"], strict=True)
-            ]
-            for names, group in zip(names_by_group(model, optim), optim.param_groups, strict=True)
-        ]
-        return group_names(optim, rows)
+        return groups_by_name(
+            model, optim, needs_state=lambda p: p.requires_grad and id(p) in owned
+        )
 
     def optimizer_keeper(self, model: nn.Module, optim: torch.optim.Optimizer) -> Keeper:
         assert isinstance(optim, ZeroRedundancyOptimizer)
@@ -470,11 +458,7 @@ class TorchModels:
         TORCH.set_optimizer_state_dict(model, optim, state_dict, options=nested)
 
     def param_groups(self, model: nn.Module, optim: torch.optim.Optimizer) -> list[GroupNames]:
-        rows = [
-            [(n, p.requires_grad) for n, p in zip(names, group["params"], strict=True)]
-            for names, group in zip(names_by_group(model, optim), optim.param_groups, strict=True)
-        ]
-        return group_names(optim, rows)
+        return groups_by_name(model, optim)
 
     def optimizer_keeper(self, model: nn.Module, optim: torch.optim.Optimizer) -> Keeper:
         return _keep_whole

@@ -20,7 +20,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ckpt._checkpoint import (
+from ckpt._comm import Comm, device_of, on_device
+from ckpt._commit.save_load import (
     AsyncSave,
     CheckpointInfo,
     PathLike,
@@ -30,7 +31,6 @@ from ckpt._checkpoint import (
     save,
     wait_pending,
 )
-from ckpt._comm import Comm, device_of, on_device
 from ckpt._errors import CheckpointError, CheckpointInUseError, NotACheckpointError
 from ckpt._format import layout
 from ckpt._format.file_checks import manifest_size_problems
@@ -170,29 +170,21 @@ class CheckpointManager:
         self, step: int, state: Mapping[str, Any], *, overwrite: bool = False
     ) -> CheckpointInfo:
         """Save ``state`` as ``step`` and commit it, then prune; collective."""
-        return save(
-            state,
-            self.path(step),
-            overwrite=overwrite,
-            checksum=self.checksum,
-            key=self.key,
-            process_group=self.process_group,
-            _on_commit=lambda: self._prune(self.path(step)),
-        )
+        return save(state, self.path(step), overwrite=overwrite, **self._save_options(step))
 
     def async_save(
         self, step: int, state: Mapping[str, Any], *, overwrite: bool = False
     ) -> AsyncSave:
         """Save ``state`` as ``step`` in the background; prunes after it commits."""
-        return async_save(
-            state,
-            self.path(step),
-            overwrite=overwrite,
-            checksum=self.checksum,
-            key=self.key,
-            process_group=self.process_group,
-            _on_commit=lambda: self._prune(self.path(step)),
-        )
+        return async_save(state, self.path(step), overwrite=overwrite, **self._save_options(step))
+
+    def _save_options(self, step: int) -> dict[str, Any]:
+        return {
+            "checksum": self.checksum,
+            "key": self.key,
+            "process_group": self.process_group,
+            "_on_commit": lambda: self._prune(self.path(step)),
+        }
 
     def wait(self) -> CheckpointInfo | None:
         """Wait for a running asynchronous save (see ``ckpt.wait_pending``)."""

@@ -24,7 +24,7 @@ for code that imports torch's.
 What happens per kind of model and optimizer is [Note: state-dict front ends]; what
 this module adds is the same for all: checking the options, one state dict for
 several optimizers (each takes its parameters' part back, ``_wrappers/optim_dict_forms.py``),
-the flattened optimizer form, ``broadcast_from_rank0`` (``_rank0_broadcast.py``) and
+the flattened optimizer form, ``broadcast_from_rank0`` (``_state_dict_api/rank0_broadcast.py``) and
 the checks torch makes, with torch's words. A call that involves none of our wrappers
 is torch's own function, unchanged.
 
@@ -45,14 +45,12 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.nn.modules.module import _IncompatibleKeys
 
-from ckpt._comm import Comm, on_device
-from ckpt._rank0_broadcast import Path, broadcast_from_rank0
-from ckpt._state_dict_front_ends import (
+from ckpt._comm import Comm, global_rank, on_device
+from ckpt._state_dict_api.front_ends import (
     TORCH,
     TORCH_FALLBACK,
     Keeper,
@@ -61,6 +59,7 @@ from ckpt._state_dict_front_ends import (
     model_front_end,
     optimizer_front_end,
 )
+from ckpt._state_dict_api.rank0_broadcast import Path, broadcast_from_rank0
 from ckpt._wrappers.fqns import root_prefix, tied_names
 from ckpt._wrappers.optim_dict_forms import (
     flatten,
@@ -108,10 +107,6 @@ def _optimizers(
     return tuple(optimizers)
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
 def _warn_submodules(submodules: set[nn.Module] | None) -> None:
     if submodules:
         warnings.warn(
@@ -136,7 +131,7 @@ def _check_model(state_dict: Mapping[str, Any], options: StateDictOptions, what:
         )
     ):
         raise RuntimeError(
-            f"{what} on rank {_rank()}: The option indicates that model state_dict is "
+            f"{what} on rank {global_rank()}: The option indicates that model state_dict is "
             "required to save or load, but model state_dict is empty. Pass the model "
             "whose parameters you want (the root), or strict=False to allow it"
         )
@@ -145,7 +140,7 @@ def _check_model(state_dict: Mapping[str, Any], options: StateDictOptions, what:
 def _check_optim(state_dict: Mapping[str, Any], options: StateDictOptions, what: str) -> None:
     if not state_dict and not (_rank0_only(options) or options.broadcast_from_rank0):
         raise RuntimeError(
-            f"{what} on rank {_rank()}: The option indicates that model state_dict is "
+            f"{what} on rank {global_rank()}: The option indicates that model state_dict is "
             "required to save, or load but optim state_dict is empty. Pass the state dict "
             "that get_optimizer_state_dict returned on this rank"
         )
@@ -164,7 +159,7 @@ def _get_optim(
     for front_end, optim in zip(front_ends, optims, strict=True):
         front_end.init_state(model, optim)
         parts.append(front_end.optimizer_state_dict(model, optim, options))
-    if _rank0_only(options) and _rank() != 0:
+    if _rank0_only(options) and global_rank() != 0:
         return {}
     merged = merge(parts)
     return flatten(merged) if options.flatten_optimizer_state_dict else merged
@@ -341,7 +336,7 @@ def _load_optims(
             state_dict,
             optim_groups,
             strict=options.strict and not flattened,
-            rank=_rank(),
+            rank=global_rank(),
             what=what,
         )
         front_end.load_optimizer_state_dict(model, optim, part, options)

@@ -5,7 +5,7 @@ write ("files disappeared while saving"); ranks that pass different
 ``overwrite=`` would be silently decided by rank 0; a rank that loads while
 another saves would meet it in a collective of another size. One all-to-all of
 a digest compares the call on every rank first (see [Note: agreement step] in
-flatparam's ``_agreement.py``) and every rank raises the same
+flatparam's ``_commit/agreement.py``) and every rank raises the same
 :class:`CheckpointDisagreementError` naming what differs.
 """
 
@@ -19,8 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ckpt._collective_failure import backend_failures
-from ckpt._comm import Comm
+from ckpt._comm import Comm, backend_failures
 from ckpt._errors import CheckpointError
 from flatparam import RankDisagreementError, check_fingerprints_agree
 

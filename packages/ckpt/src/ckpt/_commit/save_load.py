@@ -10,7 +10,7 @@ in DCP's last step, writes the manifest and renames the directory into place
 
 ``save`` and ``async_save`` share one path ([Note: capture, then copy or write] in
 ``_wrappers/fsdp1_runs.py``): the state is captured by reference without communication,
-then written at once (``save``), or copied into reused host buffers (``_staging.py``)
+then written at once (``save``), or copied into reused host buffers (``_commit/staging.py``)
 and written on a background thread over the checkpoint's own process group
 (``async_save``).
 
@@ -20,7 +20,7 @@ rank, and only then lets DCP read, through a reader and planner that never run c
 from the checkpoint ([Note: no code from a checkpoint] in ``_format/safe_unpickling.py``).
 Every decision is shared before anyone acts ([Note: one decision, every rank]). A
 peer that dies or hangs inside is named ([Note: naming a fault inside a checkpoint] in
-``_peer_faults.py``).
+``_commit/peer_faults.py``).
 """
 
 from __future__ import annotations
@@ -41,18 +41,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from ckpt._agreement import check_ranks_agree
-from ckpt._collective_failure import in_phase
-from ckpt._comm import Comm, async_group, device_of, on_device
-from ckpt._errors import (
-    CheckpointError,
-    CheckpointInUseError,
-    CorruptCheckpointError,
-    DiskFullError,
-    FileProblem,
-    UnsafeCheckpointError,
-)
-from ckpt._fit import (
+from ckpt._comm import Comm, async_group, device_of, in_phase, on_device
+from ckpt._commit.agreement import check_ranks_agree
+from ckpt._commit.load_fit import (
     RankFit,
     combine_fits,
     fit_rank,
@@ -61,22 +52,30 @@ from ckpt._fit import (
     saved_dtypes,
     saved_shapes,
 )
+from ckpt._commit.peer_faults import named_faults, peers, waited_for_commit
+from ckpt._commit.staging import stage
+from ckpt._errors import (
+    CheckpointError,
+    CheckpointInUseError,
+    CorruptCheckpointError,
+    DiskFullError,
+    FileProblem,
+    UnsafeCheckpointError,
+)
 from ckpt._format import layout
 from ckpt._format.disk_space import disk_full, found_disk_full, is_disk_full
+from ckpt._format.file_checks import check_file_set, listed_files, verify_files
 from ckpt._format.lease import Lease, acquire
 from ckpt._format.manifest import (
     Checksum,
     FileRecord,
     Manifest,
     balance_files,
-    check_file_set,
     check_signature,
     hash_file,
-    listed_files,
     new_manifest,
     read_manifest,
     sign_manifest,
-    verify_files,
     write_manifest,
 )
 from ckpt._format.safe_unpickling import (
@@ -88,8 +87,6 @@ from ckpt._format.safe_unpickling import (
 )
 from ckpt._format.save_planner import CheckpointSavePlanner
 from ckpt._format.writer import CheckpointWriter, commit_result
-from ckpt._peer_faults import named_faults, peers, waited_for_commit
-from ckpt._staging import stage
 from ckpt._wrappers.adapters import apply_loaded, to_state_dict
 from ckpt._wrappers.fqns import adopt_saved_names
 
@@ -601,7 +598,7 @@ def async_save(
     Training is blocked only for that copy: what each rank holds (its flat shards,
     ``DTensor`` shards, optimizer state, plain values), copied without communication
     into host buffers that the next asynchronous save reuses (pinned on CUDA; see
-    [Note: staging] in ``_staging.py``). Everything else (DCP's planning, the writes,
+    [Note: staging] in ``_commit/staging.py``). Everything else (DCP's planning, the writes,
     the hashing and the commit) runs on a background thread while training continues
     and changes the live tensors; the returned handle's ``wait()`` gives the committed
     checkpoint, which holds the state as it was when ``async_save`` was called. A later
