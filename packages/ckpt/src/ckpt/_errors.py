@@ -13,7 +13,7 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from flatparam import CollectiveError
 
@@ -44,12 +44,32 @@ def _listing(items: Sequence[str], limit: int = _MAX_LISTED) -> str:
     return shown
 
 
+_E = TypeVar("_E", bound="CheckpointError")
+
+
 class CheckpointError(RuntimeError):
     """Base class of every error ckpt raises about a checkpoint or a state.
 
     Catch this to handle all checkpoint failures in one place, e.g. to fall back to
     an earlier step when the newest one cannot be loaded.
+
+    An error crosses processes (one rank's decision sent to all, an asynchronous save's
+    thread), so it pickles: by calling its class again with the arguments it was made
+    with, which ``__new__`` keeps; no subclass needs a ``__reduce__`` of its own.
     """
+
+    _made_with: tuple[tuple[Any, ...], dict[str, Any]]
+
+    def __new__(cls: type[_E], *args: Any, **kwargs: Any) -> _E:
+        # The built-in base that lays the object out: OSError's for an OSError subclass.
+        builtin = [b for b in cls.__mro__ if b.__module__ == "builtins"]
+        self: _E = max(builtin, key=lambda b: b.__basicsize__).__new__(cls, *args)
+        self._made_with = (args, kwargs)
+        return self
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        args, kwargs = self._made_with
+        return (functools.partial(type(self), **kwargs), args)
 
 
 class NotACheckpointError(CheckpointError):
@@ -64,9 +84,6 @@ class NotACheckpointError(CheckpointError):
         self.path = path
         self.reason = reason
         super().__init__(f"{path} is not a ckpt checkpoint: {reason}")
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.path, self.reason))
 
 
 class PartialCheckpointError(NotACheckpointError):
@@ -85,9 +102,6 @@ class PartialCheckpointError(NotACheckpointError):
             f"directory {partial}, which is never loaded; load an earlier checkpoint "
             f"(CheckpointManager.steps() lists the committed ones) and save again",
         )
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.path, self.partial))
 
 
 class CheckpointExistsError(CheckpointError, FileExistsError):
@@ -142,9 +156,6 @@ class DiskFullError(CheckpointError):
             "Free space on that filesystem or write elsewhere"
         )
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.path, self.needed, self.free, self.what))
-
 
 @dataclass(frozen=True)
 class FileProblem:
@@ -179,9 +190,6 @@ class CorruptCheckpointError(CheckpointError):
             f"Load an earlier checkpoint or restore these files; pass verify=False only "
             f"if you know the files are intact."
         )
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.path, self.problems))
 
 
 @dataclass(frozen=True)
@@ -275,21 +283,6 @@ class StateDictMismatchError(CheckpointError):
             parts.append("Pass strict=False to load only the keys both sides have.")
         super().__init__("\n".join(parts))
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        rebuild = functools.partial(
-            type(self),
-            self.path,
-            missing=self.missing,
-            unexpected=self.unexpected,
-            shape_mismatches=self.shape_mismatches,
-            kind_mismatches=self.kind_mismatches,
-            other_model=self.other_model,
-            dtype_mismatches=self.dtype_mismatches,
-            absent_entries=self.absent_entries,
-            local_state_dict=self.local_state_dict,
-        )
-        return (rebuild, ())
-
 
 class UnsafeCheckpointError(CheckpointError):
     """The checkpoint holds a pickle that would run code (or read outside itself).
@@ -311,9 +304,6 @@ class UnsafeCheckpointError(CheckpointError):
             f"or loaded; do not load this checkpoint unless you know who wrote it."
         )
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.path, self.item, self.found, self.why))
-
 
 class SignatureError(CheckpointError):
     """A load or verify with a ``key`` found the manifest unsigned or signed otherwise.
@@ -330,9 +320,6 @@ class SignatureError(CheckpointError):
             f"checkpoint {path} failed the keyed-manifest check: {reason}; nothing was "
             f"read. Check the key, or load it without key= only if you trust its source."
         )
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.path, self.reason))
 
 
 class CheckpointInUseError(CheckpointError):
@@ -362,9 +349,6 @@ class CheckpointInUseError(CheckpointError):
                 f"be seen from here), remove {lease}"
             )
         super().__init__(f"cannot save {path}: {what}; nothing of this save was kept. {fix}.")
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.path, self.owner, self.lease, self.detail))
 
 
 class CheckpointCollectiveError(CheckpointError, CollectiveError):
@@ -398,17 +382,3 @@ class CheckpointCollectiveError(CheckpointError, CollectiveError):
         self.path = path
         self.step = step
         self.missing_ranks = tuple(missing_ranks)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        rebuild = functools.partial(
-            type(self),
-            self.args[0],
-            rank=self.rank,
-            operation=self.operation,
-            target=self.target,
-            phase=self.phase,
-            path=self.path,
-            step=self.step,
-            missing_ranks=self.missing_ranks,
-        )
-        return (rebuild, ())

@@ -43,13 +43,6 @@ class CheckpointDisagreementError(CheckpointError, RankDisagreementError):
     def __init__(self, message: str, *, where: str, fields: Mapping[str, Any]) -> None:
         RankDisagreementError.__init__(self, message, where=where, fields=fields)
 
-    def __reduce__(self) -> tuple[object, ...]:
-        return (_rebuild, (self.args[0], self.where, self.fields))
-
-
-def _rebuild(message: str, where: str, fields: Mapping[str, Any]) -> CheckpointDisagreementError:
-    return CheckpointDisagreementError(message, where=where, fields=fields)
-
 
 def check_ranks_agree(call: str, comm: Comm, path: Path, options: Mapping[str, object]) -> None:
     """Raise the same :class:`CheckpointDisagreementError` on every rank if the calls differ.
