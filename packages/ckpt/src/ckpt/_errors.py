@@ -192,6 +192,11 @@ class CorruptCheckpointError(CheckpointError):
         )
 
 
+def file_problem(path: Path, name: str, kind: str, detail: str) -> CorruptCheckpointError:
+    """A :class:`CorruptCheckpointError` about one file (``name``) of checkpoint ``path``."""
+    return CorruptCheckpointError(path, [FileProblem(name, kind, detail)])
+
+
 @dataclass(frozen=True)
 class ShapeMismatch:
     """One key whose tensor has another global shape in the checkpoint than here."""

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckpt._errors import CorruptCheckpointError, FileProblem, SignatureError
+from ckpt._errors import CorruptCheckpointError, SignatureError, file_problem
 
 __all__ = [
     "MANIFEST_NAME",
@@ -163,7 +163,7 @@ class Manifest:
         """Parse and validate; a damaged manifest is reported as corruption of itself."""
 
         def bad(detail: str) -> CorruptCheckpointError:
-            return CorruptCheckpointError(where, [FileProblem(MANIFEST_NAME, "unreadable", detail)])
+            return file_problem(where, MANIFEST_NAME, "unreadable", detail)
 
         try:
             body = json.loads(text)
@@ -231,8 +231,8 @@ def read_manifest(directory: Path) -> Manifest:
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
-        raise CorruptCheckpointError(
-            directory, [FileProblem(MANIFEST_NAME, "unreadable", f"not UTF-8 text ({e})")]
+        raise file_problem(
+            directory, MANIFEST_NAME, "unreadable", f"not UTF-8 text ({e})"
         ) from None
     return Manifest.from_json(text, directory)
 

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ckpt._errors import CorruptCheckpointError, FileProblem, NotACheckpointError
+from ckpt._errors import CorruptCheckpointError, NotACheckpointError, file_problem
 from ckpt._format import layout
 from ckpt._format.manifest import MANIFEST_NAME, Manifest, read_manifest
 from ckpt._format.safe_unpickling import (
@@ -234,21 +234,16 @@ class CheckpointReader:
         index = MetadataIndex(key, None if offsets is None else torch.Size(offsets))
         info = (self.metadata.storage_data or {}).get(index)
         if info is None:
-            raise CorruptCheckpointError(
-                self.path,
-                [FileProblem(METADATA_NAME, "unreadable", f"no storage entry for {key}")],
+            raise file_problem(
+                self.path, METADATA_NAME, "unreadable", f"no storage entry for {key}"
             )
         if getattr(info, "transform_descriptors", None):
-            raise CorruptCheckpointError(
+            raise file_problem(
                 self.path,
-                [
-                    FileProblem(
-                        str(info.relative_path),
-                        "unreadable",
-                        f"{key} is stored with transforms {info.transform_descriptors}, "
-                        f"which this reader does not apply",
-                    )
-                ],
+                str(info.relative_path),
+                "unreadable",
+                f"{key} is stored with transforms {info.transform_descriptors}, "
+                f"which this reader does not apply",
             )
         return info
 
@@ -261,22 +256,15 @@ class CheckpointReader:
             try:
                 chunk = torch.load(io.BufferedReader(view), map_location="cpu", weights_only=True)
             except Exception as e:
-                raise CorruptCheckpointError(
+                raise file_problem(
                     self.path,
-                    [
-                        FileProblem(
-                            str(info.relative_path),
-                            "unreadable",
-                            f"chunk {list(offsets)} of {tensor.key}: {type(e).__name__}: {e}",
-                        )
-                    ],
+                    name,
+                    "unreadable",
+                    f"chunk {list(offsets)} of {tensor.key}: {type(e).__name__}: {e}",
                 ) from None
         sizes = dict(tensor.chunks)[offsets]
         if not isinstance(chunk, torch.Tensor) or tuple(chunk.shape) != sizes:
-            raise CorruptCheckpointError(
-                self.path,
-                [FileProblem(str(info.relative_path), "unreadable", f"bad chunk of {tensor.key}")],
-            )
+            raise file_problem(self.path, name, "unreadable", f"bad chunk of {tensor.key}")
         return chunk
 
     def _open_data(self, name: str, end: int, key: str) -> io.BufferedReader:
@@ -285,7 +273,7 @@ class CheckpointReader:
         ``ckpt`` program), never a raw ``OSError``."""
 
         def problem(kind: str, detail: str) -> CorruptCheckpointError:
-            return CorruptCheckpointError(self.path, [FileProblem(name, kind, detail)])
+            return file_problem(self.path, name, kind, detail)
 
         try:
             f = open(self.path / name, "rb")  # noqa: SIM115 - returned to a with-block

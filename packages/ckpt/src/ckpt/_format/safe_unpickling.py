@@ -50,7 +50,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from ckpt._errors import CorruptCheckpointError, FileProblem, UnsafeCheckpointError
+from ckpt._errors import CorruptCheckpointError, UnsafeCheckpointError, file_problem
 from ckpt._format.flat_pieces import FlatPieces
 from ckpt._format.save_planner import raise_capture_problems
 
@@ -144,7 +144,7 @@ def read_metadata(directory: Path) -> Metadata:
     path = directory / METADATA_NAME
 
     def broken(detail: str) -> CorruptCheckpointError:
-        return CorruptCheckpointError(directory, [FileProblem(METADATA_NAME, "unreadable", detail)])
+        return file_problem(directory, METADATA_NAME, "unreadable", detail)
 
     try:
         with open(path, "rb") as f:
@@ -339,16 +339,13 @@ def read_slice(directory: Path, info: Any) -> bytes:
             f.seek(int(info.offset))
             data = f.read(int(info.length))
     except FileNotFoundError:
-        raise CorruptCheckpointError(
-            directory, [FileProblem(name, "missing", "referenced by .metadata, not on disk")]
+        raise file_problem(
+            directory, name, "missing", "referenced by .metadata, not on disk"
         ) from None
     except OSError as e:
-        raise CorruptCheckpointError(
-            directory, [FileProblem(name, "unreadable", f"{type(e).__name__}: {e}")]
-        ) from None
+        raise file_problem(directory, name, "unreadable", f"{type(e).__name__}: {e}") from None
     if len(data) != int(info.length):
-        raise CorruptCheckpointError(
-            directory,
-            [FileProblem(name, "size", f"an item at {info.offset} runs past the end of file")],
+        raise file_problem(
+            directory, name, "size", f"an item at {info.offset} runs past the end of file"
         )
     return data

@@ -1,12 +1,8 @@
-"""The tools around checkpoints, none of which needs a process group of its own:
-
-* ``cli``: the ``ckpt`` program (``ls``, ``inspect``, ``verify``, ``export``; also
-  ``python -m ckpt``), with ``json_values`` for its ``--json`` output;
-* ``export``: a checkpoint's model weights as safetensors or ``torch.save`` files;
-* ``pretrained``: ``ckpt.load_pretrained``, safetensors weights into a sharded model.
+"""The tools around checkpoints: the ``ckpt`` program (``cli``, with ``json_values``),
+``export`` of a checkpoint's weights, ``pretrained`` (``ckpt.load_pretrained``).
 
 [Note: the tools read through the format room]
 Every tool reads a checkpoint through ``ckpt._format`` (``CheckpointReader``, the
-manifest, the file checks), so nothing from a checkpoint is run here either ([Note: no
-code from a checkpoint]); none of them imports the commit or the wrappers room.
+manifest, the file checks), so nothing from a checkpoint is run here either; none of
+them imports the commit or the wrappers room.
 """

@@ -55,7 +55,7 @@ from ckpt._wrappers.fsdp1_orig_params_optim import (
 from ckpt._wrappers.fsdp1_runs import shard_from_runs, unit_runs, unit_template
 from ckpt._wrappers.fsdp1_unit_exchange import chunks_to_shard, shard_to_chunks
 from ckpt._wrappers.loadable_values import LoadableState
-from ckpt._wrappers.optim_dict_forms import copy_value, rename_tied
+from ckpt._wrappers.optim_dict_forms import check_form, check_groups, copy_value, rename_tied
 from ckpt._wrappers.sharded_chunks import (
     chunk_dtensor,
     full_value,
@@ -309,24 +309,6 @@ def fsdp_optim_runs(
     return {"state": state, "param_groups": _named_groups(osd["param_groups"], params, slots)}
 
 
-def _check_groups(
-    saved: Sequence[Mapping[str, Any]], current: Sequence[Sequence[str]], what: str
-) -> None:
-    if len(saved) != len(current):
-        raise ValueError(
-            f"{what}: the optimizer state dict has {len(saved)} parameter groups, this "
-            f"optimizer has {len(current)}; build the optimizer with the same groups"
-        )
-    for g, (group, names) in enumerate(zip(saved, current, strict=True)):
-        got = set(group["params"])
-        want = set(names)
-        if got != want:
-            raise ValueError(
-                f"{what}: parameter group {g} differs: missing from the state dict "
-                f"{sorted(want - got)[:10]}, unexpected {sorted(got - want)[:10]}"
-            )
-
-
 def _flat_state_of_unit(
     unit: FlatUnit, named_state: Mapping[str, Mapping[str, Any]], what: str
 ) -> dict[str, Any] | None:
@@ -410,27 +392,14 @@ def load_fsdp_optim_state_dict(
     or with ``runs`` this rank's runs as ckpt's load template made them ([Note: loading
     runs] in ``_wrappers/fsdp1_runs.py``; no collective).
     """
-    if not isinstance(named, Mapping) or "state" not in named or "param_groups" not in named:
-        raise ValueError(
-            f"{what}: expected an optimizer state dict with 'state' and 'param_groups' keyed "
-            "by parameter names (from optim_state_dict); got "
-            f"{sorted(named) if isinstance(named, Mapping) else type(named).__name__}"
-        )
+    check_form(named, what)
     named = rename_tied(named, tied_names(model), what)
     # ShardedTensor and tensor-like values convert per parameter as the loop reaches them.
     named = {**named, "state": LoadableState(named["state"])}
     slots = _slots(model)
     params = _optim_params(optim)
     names = [[fqn for p in ps for fqn in _slot_of(slots, p).fqns()] for ps in params]
-    _check_groups(named["param_groups"], names, what)
-    known = {fqn for group in names for fqn in group}
-    unexpected = sorted(set(named["state"]) - known)
-    if unexpected:
-        raise ValueError(
-            f"{what}: the optimizer state dict has state for parameters this optimizer does "
-            f"not have (not in the model, or left out of its parameter groups, e.g. frozen): "
-            f"{unexpected[:10]}"
-        )
+    check_groups(named, names, what)
     state: dict[int, Any] = {}
     index = 0
     for ps in params:

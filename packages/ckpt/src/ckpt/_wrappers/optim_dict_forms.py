@@ -32,6 +32,8 @@ from torch import Tensor
 
 __all__ = [
     "GroupNames",
+    "check_form",
+    "check_groups",
     "copy_value",
     "flatten",
     "is_flattened",
@@ -288,3 +290,38 @@ def copy_value(value: Any, device: torch.device | None) -> Any:
     if isinstance(value, Tensor):
         return value.detach().to(device or value.device, copy=True)
     return copy.deepcopy(value)
+
+
+def check_form(named: Any, what: str) -> None:
+    """Raise unless ``named`` is an FQN-keyed optimizer state dict (nested form)."""
+    if not isinstance(named, Mapping) or "state" not in named or "param_groups" not in named:
+        raise ValueError(
+            f"{what}: expected an optimizer state dict with 'state' and 'param_groups' keyed "
+            "by parameter names (from optim_state_dict); got "
+            f"{sorted(named) if isinstance(named, Mapping) else type(named).__name__}"
+        )
+
+
+def check_groups(named: Mapping[str, Any], current: Sequence[Sequence[str]], what: str) -> None:
+    """Raise unless ``named``'s parameter groups hold the FQNs ``current`` (an optimizer's
+    groups, in any order within a group) and it has state for no other parameter."""
+    saved = named["param_groups"]
+    if len(saved) != len(current):
+        raise ValueError(
+            f"{what}: the optimizer state dict has {len(saved)} parameter groups, this "
+            f"optimizer has {len(current)}; build the optimizer with the same groups"
+        )
+    for g, (group, names) in enumerate(zip(saved, current, strict=True)):
+        got, want = set(group["params"]), set(names)
+        if got != want:
+            raise ValueError(
+                f"{what}: parameter group {g} differs: missing from the state dict "
+                f"{sorted(want - got)[:10]}, unexpected {sorted(got - want)[:10]}"
+            )
+    unexpected = sorted(set(named["state"]) - {n for names in current for n in names})
+    if unexpected:
+        raise ValueError(
+            f"{what}: the optimizer state dict has state for parameters this optimizer does "
+            f"not have (not in the model, or left out of its parameter groups, e.g. frozen): "
+            f"{unexpected[:10]}"
+        )

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ckpt._wrappers.fqns import ddp_prefix, names_by_group, tied_names
-from ckpt._wrappers.optim_dict_forms import copy_value, rename_tied
+from ckpt._wrappers.optim_dict_forms import check_form, check_groups, copy_value, rename_tied
 from ckpt._wrappers.sharded_chunks import full_value
 from zero_optim import ZeroRedundancyOptimizer
 
@@ -108,33 +108,12 @@ def load_zero_optim_state_dict(
     model: nn.Module, zero: ZeroRedundancyOptimizer, named: Mapping[str, Any]
 ) -> None:
     """Load an FQN-keyed optimizer state dict (full, sharded, or fsdp's) into ``zero``."""
-    if not isinstance(named, Mapping) or "state" not in named or "param_groups" not in named:
-        raise ValueError(
-            "expected an optimizer state dict with 'state' and 'param_groups' keyed by "
-            "parameter names"
-        )
-    named = rename_tied(named, tied_names(model, ddp_prefix(model)), "load_zero_optim_state_dict")
+    what = "load_zero_optim_state_dict"
+    check_form(named, what)
+    named = rename_tied(named, tied_names(model, ddp_prefix(model)), what)
     names = names_by_group(model, zero)
+    check_groups(named, names, what)
     saved_groups = named["param_groups"]
-    if len(saved_groups) != len(names):
-        raise ValueError(
-            f"the optimizer state dict has {len(saved_groups)} parameter groups, this "
-            f"optimizer has {len(names)}; build it with the same groups"
-        )
-    for g, (group, row) in enumerate(zip(saved_groups, names, strict=True)):
-        if set(group["params"]) != set(row):
-            got, want = set(group["params"]), set(row)
-            raise ValueError(
-                f"parameter group {g} differs: missing from the state dict "
-                f"{sorted(want - got)[:10]}, unexpected {sorted(got - want)[:10]}"
-            )
-    known = {n for row in names for n in row}
-    unexpected = sorted(set(named["state"]) - known)
-    if unexpected:
-        raise ValueError(
-            f"the optimizer state dict has state for parameters this model does not have: "
-            f"{unexpected[:10]}"
-        )
     owned = {id(p) for p in zero.params_per_rank[zero.rank]}
     state: dict[int, Any] = {}
     index = 0
