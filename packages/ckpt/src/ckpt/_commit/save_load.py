@@ -33,7 +33,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -63,7 +63,7 @@ from ckpt._errors import (
     UnsafeCheckpointError,
 )
 from ckpt._format import layout
-from ckpt._format.disk_space import disk_full, found_disk_full, is_disk_full
+from ckpt._format.disk_space import disk_full, found_disk_full, is_disk_full, rank_failures
 from ckpt._format.file_checks import check_file_set, listed_files, verify_files
 from ckpt._format.lease import Lease, acquire
 from ckpt._format.manifest import (
@@ -89,8 +89,6 @@ from ckpt._format.save_planner import CheckpointSavePlanner
 from ckpt._format.writer import CheckpointWriter, commit_result
 from ckpt._wrappers.adapters import apply_loaded, to_state_dict
 from ckpt._wrappers.fqns import adopt_saved_names
-
-_E = TypeVar("_E", bound=BaseException)
 
 __all__ = [
     "AsyncSave",
@@ -304,7 +302,9 @@ class _SaveTransaction:
             if full is not None:
                 raise full from e
             if isinstance(e, CheckpointException):
-                in_use = _failure_of(e, CheckpointInUseError)
+                in_use = next(
+                    (f for f in rank_failures(e) if isinstance(f, CheckpointInUseError)), None
+                )
                 if in_use is not None:
                     raise in_use from None
                 raise _dcp_failure(f"write {self.path}", e) from e
@@ -358,14 +358,6 @@ class _SaveTransaction:
         finally:
             self._release()
         return manifest
-
-
-def _failure_of(error: CheckpointException, kind: type[_E]) -> _E | None:
-    """The first rank's failure of type ``kind`` inside DCP's shared failure."""
-    for exc, _ in error.failures.values():
-        if isinstance(exc, kind):
-            return exc
-    return None
 
 
 def _kind_of(value: object) -> str:

@@ -47,6 +47,7 @@ __all__ = [
     "free_bytes",
     "is_disk_full",
     "plan_bytes",
+    "rank_failures",
 ]
 
 # Bytes DCP adds per stored item beyond a tensor's data (torch.save's zip framing of
@@ -125,12 +126,7 @@ def is_disk_full(error: BaseException) -> bool:
         text = str(exc)
         if _TORCH_SHORT_WRITE in text or os.strerror(errno.ENOSPC) in text:
             return True
-        failures = getattr(exc, "failures", None)  # DCP's CheckpointException
-        if isinstance(failures, Mapping):
-            for failure in failures.values():
-                first = failure[0] if isinstance(failure, tuple) else failure
-                if isinstance(first, BaseException):
-                    todo.append(first)
+        todo.extend(rank_failures(exc))
         todo.extend(linked for linked in (exc.__cause__, exc.__context__) if linked is not None)
     return False
 
@@ -139,13 +135,17 @@ def found_disk_full(error: BaseException) -> DiskFullError | None:
     """The ``DiskFullError`` raised by some rank's planning step inside ``error``."""
     if isinstance(error, DiskFullError):
         return error
+    return next((f for f in rank_failures(error) if isinstance(f, DiskFullError)), None)
+
+
+def rank_failures(error: BaseException) -> list[BaseException]:
+    """Each rank's exception inside DCP's ``CheckpointException`` (its ``failures``: rank
+    -> (exception, traceback)); none for any other error."""
     failures = getattr(error, "failures", None)
-    if isinstance(failures, Mapping):
-        for failure in failures.values():
-            first = failure[0] if isinstance(failure, tuple) else failure
-            if isinstance(first, DiskFullError):
-                return first
-    return None
+    if not isinstance(failures, Mapping):
+        return []
+    firsts = (f[0] if isinstance(f, tuple) else f for f in failures.values())
+    return [f for f in firsts if isinstance(f, BaseException)]
 
 
 def disk_full(path: Path, needed: int | None, what: str = "checkpoint") -> DiskFullError:
