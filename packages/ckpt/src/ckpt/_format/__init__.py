@@ -1,8 +1,5 @@
-"""The on-disk format and its integrity: what a checkpoint directory holds, how its
-files are written (``writer``, ``flat_pieces``, ``save_planner``), committed
-(``layout``) by one writer at a time (``lease``), checked (``manifest``,
-``file_checks``, ``disk_space``) and read back without running code from it
-(``safe_unpickling``, ``reader``).
+"""The on-disk format and its integrity: how a checkpoint's files are written,
+committed by one writer at a time, checked, and read back without running code.
 
 [Note: the format room's floor]
 Nothing here knows a model, an optimizer or a process group: it imports only

@@ -177,13 +177,7 @@ def prepare_partial(path: Path, overwrite: bool, token: str) -> tuple[list[Path]
     for stale in leftovers_of(path, *stale_kinds):
         shutil.rmtree(stale, ignore_errors=True)
         removed.append(stale)
-    try:
-        partial_path(path, token).mkdir()
-    except OSError as e:
-        raise CheckpointError(
-            f"cannot save a checkpoint to {path}: creating its directory failed ({e}); "
-            "choose a path you may write to"
-        ) from e
+    _mkdir(path, partial_path(path, token))
     return removed, occupant(path)
 
 
@@ -195,8 +189,13 @@ def make_parent(path: Path) -> None:
             f"cannot save a checkpoint to {path}: {blocker} is a file, not a directory; "
             "choose a path whose parent directories are directories (or remove that file)"
         )
+    _mkdir(path, path.parent, parents=True)
+
+
+def _mkdir(path: Path, directory: Path, parents: bool = False) -> None:
+    """Create ``directory`` for a save to ``path``, or say why it cannot be (rank 0)."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        directory.mkdir(parents=parents, exist_ok=parents)
     except OSError as e:
         raise CheckpointError(
             f"cannot save a checkpoint to {path}: creating its directory failed ({e}); "

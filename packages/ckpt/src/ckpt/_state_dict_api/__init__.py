@@ -1,6 +1,5 @@
 """torch's state-dict API for our wrappers too: ``get_state_dict``, ``set_state_dict``
-and their model and optimizer halves (``functions``), made and taken per kind of model
-by the front ends (``front_ends``), with ``broadcast_from_rank0`` (``rank0_broadcast``).
+and their model and optimizer halves, made and taken per kind by the front ends.
 
 [Note: the state-dict API room's seams]
 The front ends call the per-kind modules of ``ckpt._wrappers`` and, of the rest of

@@ -1,5 +1,4 @@
-"""The tools around checkpoints: the ``ckpt`` program (``cli``, with ``json_values``),
-``export`` of a checkpoint's weights, ``pretrained`` (``ckpt.load_pretrained``).
+"""The tools around checkpoints: the ``ckpt`` program, ``export``, ``load_pretrained``.
 
 [Note: the tools read through the format room]
 Every tool reads a checkpoint through ``ckpt._format`` (``CheckpointReader``, the

@@ -1,8 +1,5 @@
-"""Taking state out of each kind of model and optimizer, and putting it back: FSDP1
-(``fsdp1_*``), ``fully_shard`` and other ``DTensor`` models (``fully_shard``), ZeRO
-(``zero``); plain modules and DDP need nothing of their own. What they share: FQNs
-(``fqns``), the forms of an FQN-keyed optimizer state dict (``optim_dict_forms``), the
-SHARDED layout (``sharded_chunks``), other tools' values (``loadable_values``).
+"""Taking state out of each kind of model and optimizer, and putting it back: one
+module, or a few named ``fsdp1_*``, per kind; plain modules and DDP need none.
 
 [Note: what crosses into and out of the wrappers room]
 Two callers, each through one seam: ``ckpt.save``/``load`` through ``adapters`` ([Note:
