@@ -39,9 +39,13 @@ def _private_imports(source: str) -> list[str]:
 
 
 def test_ckpt_imports_no_private_sibling_module() -> None:
-    modules = sorted(CKPT.glob("*.py"))
+    modules = sorted(CKPT.rglob("*.py"))  # the rooms' modules too
     assert len(modules) > 20, f"found only {len(modules)} ckpt modules under {CKPT}"
-    offenders = {p.name: imports for p in modules if (imports := _private_imports(p.read_text()))}
+    offenders = {
+        str(p.relative_to(CKPT)): imports
+        for p in modules
+        if (imports := _private_imports(p.read_text()))
+    }
     assert not offenders, f"use fsdp's public API (fsdp.units, fsdp.shards, fsdp.api): {offenders}"
 
 
