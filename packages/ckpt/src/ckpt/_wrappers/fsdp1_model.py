@@ -55,6 +55,7 @@ from ckpt._wrappers.fsdp1_unit_exchange import (
     shard_to_chunks,
 )
 from ckpt._wrappers.loadable_values import loadable
+from ckpt._wrappers.optim_dict_forms import copy_value
 from ckpt._wrappers.sharded_chunks import (
     chunk_dtensor,
     full_value,
@@ -82,6 +83,8 @@ __all__ = [
     "pre_state_dict",
 ]
 
+_CPU = torch.device("cpu")
+
 
 RUNS_ATTR = "_ckpt_runs"
 """Set by ckpt's adapter on FSDP instances whose SHARDED state dict is this rank's runs
@@ -101,11 +104,6 @@ class LocalShardMismatchError(CheckpointError, ValueError):
 
 def _settings(module: nn.Module) -> tuple[StateDictType, StateDictConfig]:
     return module._state_dict_type, module._state_dict_config  # type: ignore[return-value]
-
-
-def _copy_out(t: Tensor, offload: bool) -> Tensor:
-    """A copy that shares nothing with gathered or sharded storage."""
-    return t.detach().to("cpu" if offload else t.device, copy=True)
 
 
 def pre_state_dict(module: nn.Module, prefix: str) -> None:
@@ -169,7 +167,7 @@ def _unit_params(
             if sharded:
                 values.append(to_dtensor(param, group, device))
             else:
-                values.append(_copy_out(param, offload))
+                values.append(copy_value(param, _CPU if offload else None))
         del full
     out: dict[str, Any] = {}
     for entry, value in zip(unit.params, values, strict=True):
@@ -208,7 +206,7 @@ def _local_dtensor(unit: FlatUnit, offload: bool, copy: bool = True) -> DTensor 
     (replicated) tensor then.
     """
     shard = unit.flat_param.detach()
-    data = _copy_out(shard, offload) if copy else shard
+    data = copy_value(shard, _CPU if offload else None) if copy else shard
     if not unit.sharded:
         return data
     mesh = mesh_for(unit.sharding.group, data.device.type)

@@ -159,7 +159,7 @@ class DTensorModels:
         state_dict = dict(
             rename_tied(state_dict, tied_names(model, prefix), "set_optimizer_state_dict")
         )
-        params = {n.removeprefix(prefix): p for p, n in _named(model).items()}
+        params = _params_by_fqn(model, prefix)
         by_id = {id(p): i for i, p in enumerate(p for g in optim.param_groups for p in g["params"])}
         state: dict[int, Any] = {}
         for fqn, values in state_dict.get("state", {}).items():
@@ -192,7 +192,7 @@ class DTensorModels:
     def optimizer_keeper(self, model: nn.Module, optim: torch.optim.Optimizer) -> Any:
 
         prefix = root_prefix(model)
-        params = {n.removeprefix(prefix): p for p, n in _named(model).items()}
+        params = _params_by_fqn(model, prefix)
 
         def keep(name: str, full: Tensor) -> Any:
             p = params.get(name)
@@ -201,10 +201,10 @@ class DTensorModels:
         return keep
 
 
-def _named(model: nn.Module) -> dict[nn.Parameter, str]:
-    """Each parameter of ``model`` and its FQN (the first of its names)."""
+def _params_by_fqn(model: nn.Module, prefix: str) -> dict[str, nn.Parameter]:
+    """Each parameter of ``model`` under its FQN (the first of its names), ``prefix`` removed."""
     names = param_names(model)
-    return {p: names[id(p)] for p in model.parameters() if id(p) in names}
+    return {names[id(p)].removeprefix(prefix): p for p in model.parameters() if id(p) in names}
 
 
 def _offload(value: Any) -> Any:
