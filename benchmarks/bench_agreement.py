@@ -26,7 +26,7 @@ def _timing_rank(model_kw: dict[str, Any], warmup: int, iters: int) -> dict[str,
     import torch
     import torch.distributed as dist
 
-    import ckpt._agreement as ckpt_agreement
+    import ckpt._commit.agreement as ckpt_agreement
     import fsdp._wrapper._fsdp_state as fsdp_state
     import zero_optim._optimizer as zero_module
     from benchmarks.common import time_round_robin

@@ -79,9 +79,9 @@ class _Hold:
     """Holds every background save inside DCP's write step until ``release()``."""
 
     def __init__(self) -> None:
-        from ckpt import _writer
+        from ckpt._format import writer
 
-        self._writer = _writer.CheckpointWriter
+        self._writer = writer.CheckpointWriter
         self._original = self._writer.write_data
         self.reached = threading.Event()
         self._gate = threading.Event()
@@ -105,10 +105,10 @@ class _Hold:
 
 def _staged_pointers() -> tuple[list[set[int]], Any]:
     """Record the data pointers of every tensor each ``stage`` call returns."""
-    from ckpt import _checkpoint
+    from ckpt._commit import save_load
 
     seen: list[set[int]] = []
-    original = _checkpoint.stage
+    original = save_load.stage
 
     def recording(state_dict: dict[str, Any]) -> Any:
         staged = original(state_dict)
@@ -129,8 +129,8 @@ def _staged_pointers() -> tuple[list[set[int]], Any]:
         seen.append(pointers)
         return staged
 
-    _checkpoint.stage = recording  # type: ignore[assignment]
-    return seen, lambda: setattr(_checkpoint, "stage", original)
+    save_load.stage = recording  # type: ignore[assignment]
+    return seen, lambda: setattr(save_load, "stage", original)
 
 
 def _rank_snapshot(root: str) -> dict[str, str]:

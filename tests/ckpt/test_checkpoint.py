@@ -255,13 +255,13 @@ def test_async_save_failure_surfaces(tmp_path: Path) -> None:
 
 
 def test_release_staging_buffers_frees_the_host_copy(tmp_path: Path) -> None:
-    from ckpt import _staging
+    from ckpt._commit import staging
 
     model = make_model(0)
     ckpt.async_save({"model": model}, tmp_path / "a").wait()
-    assert _staging._Buffers.stager is not None  # kept for the next async save
+    assert staging._Buffers.stager is not None  # kept for the next async save
     ckpt.release_staging_buffers()
-    assert _staging._Buffers.stager is None
+    assert staging._Buffers.stager is None
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)

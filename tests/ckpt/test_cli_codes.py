@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import ckpt
-from ckpt._cli import EXIT_CORRUPT, EXIT_NOT_A_CHECKPOINT, EXIT_UNTRUSTED, main
+from ckpt._tools.cli import EXIT_CORRUPT, EXIT_NOT_A_CHECKPOINT, EXIT_UNTRUSTED, main
 from tests.ckpt._forge import rehash_manifest
 
 KEY = b"a key of at least sixteen bytes"

@@ -1,6 +1,6 @@
 """The ``ckpt`` program in pipelines and scripts, run as ``python -m ckpt`` subprocesses.
 
-What a script relies on ([Note: a program for scripts] in ``ckpt/_cli.py``): a
+What a script relies on ([Note: a program for scripts] in ``ckpt/_tools/cli.py``): a
 closed pipe ends it quietly; ``--json`` on every subcommand, with real JSON values
 and a JSON error document; a failed export leaves nothing behind; every problem with
 a checkpoint's files has status 4 and names the file; re-export replaces the target
@@ -30,7 +30,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
 import ckpt
-from ckpt._cli import main
+from ckpt._tools.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 MANY_KEYS = 3000  # inspect prints a line each: far more than a pipe buffer holds

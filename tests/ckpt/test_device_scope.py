@@ -21,7 +21,8 @@ import torch.distributed as dist
 from torch import nn
 
 import ckpt
-from ckpt import _checkpoint, _comm
+from ckpt import _comm
+from ckpt._commit import save_load
 from tests.ranks import run_ranks
 from zero_optim import _collectives
 
@@ -72,12 +73,10 @@ def test_save_and_load_run_with_the_models_device_current(
         return wrapped
 
     monkeypatch.setattr(torch.cuda, "device", device)
-    monkeypatch.setattr(_checkpoint, "device_of", lambda state: CUDA3)
-    monkeypatch.setattr(_checkpoint, "to_state_dict", watch("state", _checkpoint.to_state_dict))
-    monkeypatch.setattr(_checkpoint, "dcp_load", watch("dcp_load", _checkpoint.dcp_load))
-    monkeypatch.setattr(
-        _checkpoint, "_open_checkpoint", watch("open", _checkpoint._open_checkpoint)
-    )
+    monkeypatch.setattr(save_load, "device_of", lambda state: CUDA3)
+    monkeypatch.setattr(save_load, "to_state_dict", watch("state", save_load.to_state_dict))
+    monkeypatch.setattr(save_load, "dcp_load", watch("dcp_load", save_load.dcp_load))
+    monkeypatch.setattr(save_load, "_open_checkpoint", watch("open", save_load._open_checkpoint))
     model = nn.Linear(2, 2)
     ckpt.save({"model": model}, tmp_path / "c")
     ckpt.load({"model": model}, tmp_path / "c")

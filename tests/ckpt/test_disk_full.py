@@ -1,6 +1,6 @@
 """A save onto a full disk names it: "no space left on device at PATH: the checkpoint
 needs about N bytes, M are free", nothing of the failed save is left, and the previous
-checkpoint stays loadable ([Note: naming a full disk] in ``ckpt/_disk_space.py``).
+checkpoint stays loadable ([Note: naming a full disk] in ``ckpt/disk_space.py``).
 
 No filesystem is filled: the free space is what a patched ``os.statvfs`` reports (the
 check before writing), or DCP's file streams are given a byte budget after which every
@@ -25,8 +25,8 @@ from torch.distributed.checkpoint import filesystem as dcp_fs
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import ckpt
-from ckpt import _disk_space
-from ckpt._safe_pickle import read_metadata
+from ckpt._format import disk_space
+from ckpt._format.safe_unpickling import read_metadata
 from tests.ranks import run_ranks
 
 
@@ -121,7 +121,7 @@ def test_checked_before_writing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     model = _model()
     manager = ckpt.CheckpointManager(tmp_path / "run")
     manager.save(1, {"model": model, "step": 1})
-    monkeypatch.setattr(_disk_space.os, "statvfs", lambda path: _StatVfs(10_000))
+    monkeypatch.setattr(disk_space.os, "statvfs", lambda path: _StatVfs(10_000))
     with pytest.raises(ckpt.DiskFullError) as caught:
         manager.save(2, {"model": model, "step": 2})
     monkeypatch.undo()
@@ -183,7 +183,7 @@ def test_translated_from_the_failed_write(tmp_path: Path, where: str) -> None:
 def test_translated_when_the_manifest_does_not_fit(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import ckpt._checkpoint as checkpoint_module
+    import ckpt._commit.save_load as checkpoint_module
 
     def full(directory: Path, manifest: Any) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(directory))
@@ -208,9 +208,9 @@ def _rank_full_disk(root: str, how: str) -> str:
     manager.save(1, {"model": model, "step": 1})
     with contextlib.ExitStack() as stack:
         if how == "statvfs":
-            real = _disk_space.os.statvfs
-            _disk_space.os.statvfs = lambda path: _StatVfs(1000)  # type: ignore[assignment]
-            stack.callback(setattr, _disk_space.os, "statvfs", real)
+            real = disk_space.os.statvfs
+            disk_space.os.statvfs = lambda path: _StatVfs(1000)  # type: ignore[assignment]
+            stack.callback(setattr, disk_space.os, "statvfs", real)
         elif dist.get_rank() == 1:  # only rank 1's writes fail
             stack.enter_context(_disk_of(300))
         try:

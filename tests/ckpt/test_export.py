@@ -15,8 +15,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import ckpt
-from ckpt._export import _strip_wrappers, export, parse_size, plan_shards
-from ckpt._reader import CheckpointReader
+from ckpt._format.reader import CheckpointReader
+from ckpt._tools.export import _strip_wrappers, export, parse_size, plan_shards
 from tests.ranks import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -67,7 +67,7 @@ def _check_form(name: str, sd_type: StateDictType, sd: dict[str, Any], rank0_onl
     """The documented form of each type."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    from ckpt._chunks import chunk_bounds
+    from ckpt._wrappers.sharded_chunks import chunk_bounds
 
     reference = make_net().state_dict()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -162,8 +162,8 @@ def _rank_full_rank0_bytes() -> dict[str, Any]:
     """What a FULL rank0_only + offload_to_cpu state_dict allocates to communicate: on
     rank 0 one receive buffer of one shard per peer and unit, nothing elsewhere, and no
     unit all-gathered anywhere (the bench measures the resident memory this saves)."""
-    import ckpt._fsdp_model_state as model_state
-    import ckpt._unit_exchange as exchange
+    import ckpt._wrappers.fsdp1_model as model_state
+    import ckpt._wrappers.fsdp1_unit_exchange as exchange
     from fsdp import FullyShardedDataParallel as FSDP  # noqa: N817
 
     model, _ = wrap("fsdp")
@@ -256,7 +256,7 @@ class _Awkward(nn.Module):
 def _rank_sharded_exchange() -> bool:
     """SHARDED state_dict and load_state_dict move chunks by all-to-all: no unit is
     all-gathered and no parameter rebuilt in full, and the values are those of FULL."""
-    import ckpt._fsdp_model_state as model_state
+    import ckpt._wrappers.fsdp1_model as model_state
     from fsdp import FullyShardedDataParallel as FSDP  # noqa: N817
 
     torch.manual_seed(0)
@@ -302,8 +302,8 @@ def _rank_sharded_exchange() -> bool:
 def _rank_sharded_optim_exchange() -> bool:
     """A sharded optimizer state dict (flat and use_orig_params) moves chunks by
     all-to-all, gathering no unit, with the values of the full one."""
-    import ckpt._fsdp_optim_state as flat_optim
-    import ckpt._orig_optim_state as orig_optim
+    import ckpt._wrappers.fsdp1_optim as flat_optim
+    import ckpt._wrappers.fsdp1_orig_params_optim as orig_optim
     from fsdp import FullyShardedDataParallel as FSDP  # noqa: N817
 
     calls = {"gather": 0}

@@ -30,9 +30,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 import ckpt
-from ckpt import _layout
-from ckpt._safe_pickle import SafeFileSystemReader
-from ckpt._writer import CheckpointWriter
+from ckpt._format import layout
+from ckpt._format.safe_unpickling import SafeFileSystemReader
+from ckpt._format.writer import CheckpointWriter
 from tests.fsdp._common import Block, make_net
 from tests.ranks import RankFailure, run_ranks
 
@@ -158,7 +158,7 @@ def _rank_coordinator_dies_in_commit(root: str, result_file: str) -> None:
     manager = ckpt.CheckpointManager(root, keep_last=1, process_group=group)
     manager.save(1, {"model": model})
     if dist.get_rank() == 0:
-        _layout.commit = lambda *a: _fault("kill")  # type: ignore[assignment]
+        layout.commit = lambda *a: _fault("kill")  # type: ignore[assignment]
     try:
         manager.save(2, {"model": model})
     except ckpt.CheckpointError as e:

@@ -11,17 +11,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ckpt import CorruptCheckpointError, FileProblem, ShapeMismatch, StateDictMismatchError
-from ckpt._fit import combine_fits, fit_rank
-from ckpt._manifest import (
+from ckpt._commit.load_fit import combine_fits, fit_rank
+from ckpt._format.file_checks import check_file_set, verify_files
+from ckpt._format.manifest import (
     Checksum,
     Manifest,
     balance_files,
-    check_file_set,
     file_owner,
     hash_file,
     new_manifest,
     read_manifest,
-    verify_files,
     write_manifest,
 )
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import ckpt
-from ckpt._chunks import chunk_bounds
+from ckpt._wrappers.sharded_chunks import chunk_bounds
 
 _ROOT = Path(__file__).resolve().parents[2]
 

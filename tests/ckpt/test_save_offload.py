@@ -21,7 +21,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import ckpt
-from ckpt._state import to_state_dict
+from ckpt._wrappers.adapters import to_state_dict
 from tests.ckpt._wrappers import full_weights, same, step, wrap
 from tests.ranks import run_ranks
 

@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 import ckpt
-from ckpt import _safe_pickle
+from ckpt._format import safe_unpickling
 from tests.ckpt._common import assert_same, make_model, make_optimizer, params, train_step
 from tests.ckpt._forge import Payload, forge_metadata, rehash_manifest
 from tests.ranks import run_ranks
@@ -121,13 +121,13 @@ def test_metadata_is_unpickled_once_per_load(
     path = tmp_path / "c"
     model = _saved(path)
     calls = []
-    real = _safe_pickle._MetadataUnpickler.load
+    real = safe_unpickling._MetadataUnpickler.load
 
-    def counting(self: _safe_pickle._MetadataUnpickler) -> object:
+    def counting(self: safe_unpickling._MetadataUnpickler) -> object:
         calls.append(1)
         return real(self)
 
-    monkeypatch.setattr(_safe_pickle._MetadataUnpickler, "load", counting)
+    monkeypatch.setattr(safe_unpickling._MetadataUnpickler, "load", counting)
     monkeypatch.setattr(pickle, "load", lambda *a, **k: pytest.fail("unrestricted unpickling"))
     fresh = make_model(1)
     ckpt.load({"model": fresh, "optim": make_optimizer(fresh)}, path)
@@ -213,4 +213,4 @@ def test_weights_only_object_reader_refuses_reduce() -> None:
     torch.save({"ok": 1, "bad": Payload(Path("/nonexistent/x"))}, buf)
     buf.seek(0)
     with pytest.raises(ckpt.UnsafeCheckpointError, match="mkdir"):
-        _safe_pickle.load_object(buf, Path("."), "k", ())
+        safe_unpickling.load_object(buf, Path("."), "k", ())

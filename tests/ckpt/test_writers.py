@@ -4,7 +4,7 @@ Before: two jobs saving steps 1..5 through ``CheckpointManager`` into one folder
 shared ``.step_N.partial``; one renamed it while the other wrote, leaving committed
 checkpoints with files missing, raw ``OSError``s, and the good ones pruned. Now a
 save holds a lease on its target, writes into a directory of its own and commits
-only over what it saw (see [Note: one writer per checkpoint] in ``ckpt/_lease.py``).
+only over what it saw (see [Note: one writer per checkpoint] in ``ckpt/_format/lease.py``).
 
 The interleavings are made deterministic by holding a lease explicitly, by running
 the second writer from inside the first one's write, or (across processes) by
@@ -27,9 +27,9 @@ import torch
 import torch.distributed as dist
 
 import ckpt
-from ckpt._lease import LeaseOwner, acquire, lease_file
-from ckpt._processes import ProcessId
-from ckpt._writer import CheckpointWriter
+from ckpt._format.lease import LeaseOwner, acquire, lease_file
+from ckpt._format.processes import ProcessId
+from ckpt._format.writer import CheckpointWriter
 from tests.ckpt._common import assert_same, linear, make_model, params
 from tests.ranks import run_ranks
 

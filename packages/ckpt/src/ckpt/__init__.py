@@ -13,9 +13,9 @@ and exports checkpoints. ``get_state_dict``/``set_state_dict`` and the rest of
 README.
 """
 
-from ckpt._adapters import register_builtin_adapters
-from ckpt._agreement import CheckpointDisagreementError
-from ckpt._checkpoint import (
+from ckpt._commit.agreement import CheckpointDisagreementError
+from ckpt._commit.manager import CheckpointManager
+from ckpt._commit.save_load import (
     AsyncSave,
     CheckpointInfo,
     async_save,
@@ -24,6 +24,7 @@ from ckpt._checkpoint import (
     verify,
     wait_pending,
 )
+from ckpt._commit.staging import release_staging_buffers
 from ckpt._errors import (
     CheckpointCollectiveError,
     CheckpointError,
@@ -39,14 +40,8 @@ from ckpt._errors import (
     StateDictMismatchError,
     UnsafeCheckpointError,
 )
-from ckpt._fsdp_model_state import LocalShardMismatchError
-from ckpt._manager import CheckpointManager
-from ckpt._manifest import MANIFEST_NAME, Checksum, FileRecord, Manifest
-from ckpt._optim_state import load_optim_state_dict, optim_state_dict
-from ckpt._pretrained import PretrainedLoad, load_pretrained
-from ckpt._staging import release_staging_buffers
-from ckpt._state import StateAdapter, StateContext, Stateful, register_adapter
-from ckpt._state_dict_functions import (
+from ckpt._format.manifest import MANIFEST_NAME, Checksum, FileRecord, Manifest
+from ckpt._state_dict_api.functions import (
     StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -55,8 +50,22 @@ from ckpt._state_dict_functions import (
     set_optimizer_state_dict,
     set_state_dict,
 )
-from ckpt._state_dict_type import get_state_dict_type, set_state_dict_type, state_dict_type
+from ckpt._tools.pretrained import PretrainedLoad, load_pretrained
 from ckpt._version import __version__
+from ckpt._wrappers.adapters import (
+    StateAdapter,
+    StateContext,
+    Stateful,
+    register_adapter,
+    register_builtin_adapters,
+)
+from ckpt._wrappers.fsdp1_model import LocalShardMismatchError
+from ckpt._wrappers.fsdp1_state_dict_type import (
+    get_state_dict_type,
+    set_state_dict_type,
+    state_dict_type,
+)
+from ckpt._wrappers.optim_state import load_optim_state_dict, optim_state_dict
 from flatparam import CollectiveError, RankDisagreementError
 from fsdp.api import (
     FullOptimStateDictConfig,

@@ -10,28 +10,51 @@ is sent to every rank before anyone acts on it, and every rank raises the same e
 A rank that raised alone would leave the others blocked in the next collective until
 the process-group timeout; with the decision shared, a bad checkpoint fails fast and
 loudly everywhere.
+
+[Note: collective failures, named]
+A backend failure of a save's or load's collective is re-raised named, at two levels,
+as in fsdp: :func:`backend_failures` wraps each collective of :class:`Comm` and the
+agreement step (it knows the operation);
+:func:`in_phase` decorates ``save``/``load``/... (it knows the phase and the
+checkpoint path) and names them in any :class:`~flatparam.CollectiveError` that
+arrives without a phase, also one raised by fsdp while gathering a state dict, as a
+:class:`~ckpt.CheckpointCollectiveError`. The steps of a save or load inside are
+named more closely in ``_commit/peer_faults.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import os
 import pickle
 import threading
 import weakref
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from pathlib import Path
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ckpt._collective_failure import backend_failures
-from ckpt._errors import CheckpointError
+from ckpt._errors import CheckpointCollectiveError, CheckpointError
+from flatparam import CollectiveError, named_backend_failures
 from fsdp import FullyShardedDataParallel
 
-__all__ = ["Comm", "async_group", "device_of", "on_device"]
+__all__ = [
+    "Comm",
+    "async_group",
+    "backend_failures",
+    "device_of",
+    "global_rank",
+    "in_phase",
+    "on_device",
+]
 
+_F = TypeVar("_F", bound=Callable[..., Any])
 T = TypeVar("T")
 
 
@@ -209,3 +232,46 @@ def async_group() -> dist.ProcessGroup | None:
             assert group is not None
             _async_groups[world] = group
         return group
+
+
+def global_rank() -> int:
+    """This process's rank in the default group; 0 without a process group."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def backend_failures(operation: str, target: str) -> AbstractContextManager[None]:
+    """Turn a backend ``RuntimeError`` inside the block into a :class:`CollectiveError`."""
+    return named_backend_failures(global_rank(), operation, target)
+
+
+def in_phase(phase: str) -> Callable[[_F], _F]:
+    """Name ``phase`` and the checkpoint path in a phase-less :class:`CollectiveError`.
+
+    For functions whose second positional argument (or ``path=``) is the
+    checkpoint path.
+    """
+
+    def decorate(fn: _F) -> _F:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(*args, **kwargs)
+            except CollectiveError as e:
+                if e.phase:
+                    raise
+                path = kwargs.get("path", args[1] if len(args) > 1 else None)
+                if path is None and args:
+                    path = args[0]  # verify(path)
+                named = e.in_phase(phase, f"{e.target} (checkpoint {str(path)!r})")
+                raise CheckpointCollectiveError(
+                    str(named),
+                    rank=named.rank,
+                    operation=named.operation,
+                    target=named.target,
+                    phase=phase,
+                    path=Path(os.fspath(path)) if isinstance(path, (str, os.PathLike)) else None,
+                ) from e.backend_error
+
+        return cast(_F, wrapper)
+
+    return decorate

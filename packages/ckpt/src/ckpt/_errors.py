@@ -13,7 +13,7 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from flatparam import CollectiveError
 
@@ -44,12 +44,32 @@ def _listing(items: Sequence[str], limit: int = _MAX_LISTED) -> str:
     return shown
 
 
+_E = TypeVar("_E", bound="CheckpointError")
+
+
 class CheckpointError(RuntimeError):
     """Base class of every error ckpt raises about a checkpoint or a state.
 
     Catch this to handle all checkpoint failures in one place, e.g. to fall back to
     an earlier step when the newest one cannot be loaded.
+
+    An error crosses processes (one rank's decision sent to all, an asynchronous save's
+    thread), so it pickles: by calling its class again with the arguments it was made
+    with, which ``__new__`` keeps; no subclass needs a ``__reduce__`` of its own.
     """
+
+    _made_with: tuple[tuple[Any, ...], dict[str, Any]]
+
+    def __new__(cls: type[_E], *args: Any, **kwargs: Any) -> _E:
+        # The built-in base that lays the object out: OSError's for an OSError subclass.
+        builtin = [b for b in cls.__mro__ if b.__module__ == "builtins"]
+        self: _E = max(builtin, key=lambda b: b.__basicsize__).__new__(cls, *args)
+        self._made_with = (args, kwargs)
+        return self
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        args, kwargs = self._made_with
+        return (functools.partial(type(self), **kwargs), args)
 
 
 class NotACheckpointError(CheckpointError):
@@ -64,9 +84,6 @@ class NotACheckpointError(CheckpointError):
         self.path = path
         self.reason = reason
         super().__init__(f"{path} is not a ckpt checkpoint: {reason}")
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.path, self.reason))
 
 
 class PartialCheckpointError(NotACheckpointError):
@@ -85,9 +102,6 @@ class PartialCheckpointError(NotACheckpointError):
             f"directory {partial}, which is never loaded; load an earlier checkpoint "
             f"(CheckpointManager.steps() lists the committed ones) and save again",
         )
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.path, self.partial))
 
 
 class CheckpointExistsError(CheckpointError, FileExistsError):
@@ -116,7 +130,7 @@ class DiskFullError(CheckpointError):
     Raised before writing when the size is known and too large (``needed`` bytes, of
     which ``free`` are available), or in place of the OS's (or torch's) error when a
     write ran out of space (``needed`` None when unknown); see [Note: naming a full
-    disk] in ``_disk_space.py``. Nothing of the failed write is left; an earlier
+    disk] in ``_format/disk_space.py``. Nothing of the failed write is left; an earlier
     checkpoint is untouched. Free space there, or write elsewhere. ``errno`` is
     ``errno.ENOSPC``, as on the OSError it stands for.
     """
@@ -141,9 +155,6 @@ class DiskFullError(CheckpointError):
             f"no space left on device at {path}: {need}, {_bytes(free)} are free; {kept}. "
             "Free space on that filesystem or write elsewhere"
         )
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.path, self.needed, self.free, self.what))
 
 
 @dataclass(frozen=True)
@@ -180,8 +191,10 @@ class CorruptCheckpointError(CheckpointError):
             f"if you know the files are intact."
         )
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.path, self.problems))
+
+def file_problem(path: Path, name: str, kind: str, detail: str) -> CorruptCheckpointError:
+    """A :class:`CorruptCheckpointError` about one file (``name``) of checkpoint ``path``."""
+    return CorruptCheckpointError(path, [FileProblem(name, kind, detail)])
 
 
 @dataclass(frozen=True)
@@ -275,28 +288,13 @@ class StateDictMismatchError(CheckpointError):
             parts.append("Pass strict=False to load only the keys both sides have.")
         super().__init__("\n".join(parts))
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        rebuild = functools.partial(
-            type(self),
-            self.path,
-            missing=self.missing,
-            unexpected=self.unexpected,
-            shape_mismatches=self.shape_mismatches,
-            kind_mismatches=self.kind_mismatches,
-            other_model=self.other_model,
-            dtype_mismatches=self.dtype_mismatches,
-            absent_entries=self.absent_entries,
-            local_state_dict=self.local_state_dict,
-        )
-        return (rebuild, ())
-
 
 class UnsafeCheckpointError(CheckpointError):
     """The checkpoint holds a pickle that would run code (or read outside itself).
 
     Nothing of it was executed: ckpt unpickles DCP's ``.metadata`` admitting only the
     types DCP writes there, and non-tensor values with ``torch.load(weights_only=True)``
-    semantics (see [Note: no code from a checkpoint] in ``_safe_pickle.py``). ``item``
+    semantics (see [Note: no code from a checkpoint] in ``_format/safe_unpickling.py``). ``item``
     is the file or state key, ``found`` what was refused. If you wrote the checkpoint
     yourself and the value is a type you trust, pass it in ``safe_globals=[...]``.
     """
@@ -310,9 +308,6 @@ class UnsafeCheckpointError(CheckpointError):
             f"checkpoint {path}: {item} refers to {found}: {why}. Nothing from it was run "
             f"or loaded; do not load this checkpoint unless you know who wrote it."
         )
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.path, self.item, self.found, self.why))
 
 
 class SignatureError(CheckpointError):
@@ -331,9 +326,6 @@ class SignatureError(CheckpointError):
             f"read. Check the key, or load it without key= only if you trust its source."
         )
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.path, self.reason))
-
 
 class CheckpointInUseError(CheckpointError):
     """Another writer holds the checkpoint being saved, or committed it meanwhile.
@@ -341,7 +333,7 @@ class CheckpointInUseError(CheckpointError):
     Two jobs saving into one folder (a job started twice, two shells) would write into
     and rename each other's directories; so a save first takes a lease on its target
     (``.<name>.lease`` beside it, see [Note: one writer per checkpoint] in
-    ``_lease.py``) and the second writer gets this error before it writes anything.
+    ``_format/lease.py``) and the second writer gets this error before it writes anything.
     ``owner`` describes the other writer (host, pid, since when) when known, ``lease``
     is the lease file. Nothing of this save was kept.
     """
@@ -363,9 +355,6 @@ class CheckpointInUseError(CheckpointError):
             )
         super().__init__(f"cannot save {path}: {what}; nothing of this save was kept. {fix}.")
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.path, self.owner, self.lease, self.detail))
-
 
 class CheckpointCollectiveError(CheckpointError, CollectiveError):
     """A peer rank died, hung or went elsewhere while a checkpoint was saved or loaded.
@@ -377,7 +366,7 @@ class CheckpointCollectiveError(CheckpointError, CollectiveError):
     ``"commit"``, ``"verifying"``, ``"reading"``; ``""`` when not known) and
     ``missing_ranks``: the ranks found dead or stopped (empty when it could not be
     told, e.g. the peer runs on another host). See [Note: naming a fault inside a
-    checkpoint] in ``_peer_faults.py``.
+    checkpoint] in ``_commit/peer_faults.py``.
     """
 
     def __init__(
@@ -398,17 +387,3 @@ class CheckpointCollectiveError(CheckpointError, CollectiveError):
         self.path = path
         self.step = step
         self.missing_ranks = tuple(missing_ranks)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        rebuild = functools.partial(
-            type(self),
-            self.args[0],
-            rank=self.rank,
-            operation=self.operation,
-            target=self.target,
-            phase=self.phase,
-            path=self.path,
-            step=self.step,
-            missing_ranks=self.missing_ranks,
-        )
-        return (rebuild, ())

@@ -19,8 +19,8 @@ ckpt keeps stable across its 0.1.x releases, exactly as ckpt reads fsdp only thr
 
 from __future__ import annotations
 
-from ckpt._fsdp_model_state import post_state_dict, pre_load_state_dict, pre_state_dict
-from ckpt._fsdp_optim_state import (
+from ckpt._wrappers.fsdp1_model import post_state_dict, pre_load_state_dict, pre_state_dict
+from ckpt._wrappers.fsdp1_optim import (
     flatten_sharded_optim_state_dict,
     full_optim_state_dict,
     optim_state_dict,
@@ -30,7 +30,11 @@ from ckpt._fsdp_optim_state import (
     shard_full_optim_state_dict,
     sharded_optim_state_dict,
 )
-from ckpt._state_dict_type import get_state_dict_type, set_state_dict_type, state_dict_type
+from ckpt._wrappers.fsdp1_state_dict_type import (
+    get_state_dict_type,
+    set_state_dict_type,
+    state_dict_type,
+)
 from ckpt.torch_compat import install as install_state_dict_functions
 from ckpt.torch_compat import uninstall as uninstall_state_dict_functions
 

@@ -32,8 +32,8 @@ import dataclasses
 import sys
 from typing import Any
 
-from ckpt import _state_dict_functions
-from ckpt._state_dict_front_ends import TORCH, TorchFunctions
+from ckpt._state_dict_api import functions
+from ckpt._state_dict_api.front_ends import TORCH, TorchFunctions
 
 __all__ = ["install", "installed", "uninstall"]
 
@@ -49,7 +49,7 @@ def installed() -> bool:
 
 
 def _ours(name: str) -> Any:
-    return getattr(_state_dict_functions, name)
+    return getattr(functions, name)
 
 
 def _patch() -> None:

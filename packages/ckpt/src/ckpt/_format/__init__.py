@@ -1,0 +1,8 @@
+"""The on-disk format and its integrity: how a checkpoint's files are written,
+committed by one writer at a time, checked, and read back without running code.
+
+[Note: the format room's floor]
+Nothing here knows a model, an optimizer or a process group: it imports only
+``ckpt._errors`` (and ``ckpt._version``). The commit room drives it, the tools read
+through it, and the wrappers room hands it ``FlatPieces``.
+"""
