@@ -446,8 +446,7 @@ class FullyShardState(_State):
         if target is None or target.group is None:
             return
         if target.group.state is GroupState.UNSHARDING:
-            target.group.reshard()
-            ctx.limiter.record_free()
+            target._discard_gather()
 
     def _discard_gather(self) -> None:
         """Drop what this group gathered (or is gathering) without using it."""
