@@ -226,10 +226,23 @@ def _api(impl: str) -> Any:
 
 
 def _plain(t: Any) -> Tensor:
-    """A full value as a plain tensor (a TwoTensor's two halves side by side)."""
+    """A full value as a plain tensor (a TwoTensor's two halves side by side).
+
+    A sharded TwoTensor is gathered half by half, as plain DTensors: torch 2.13's
+    functional collectives on gloo corrupt the heap now and then when their input is
+    a tensor subclass (``DTensor.full_tensor`` of a DTensor over a TwoTensor crashed a
+    rank in CI; torch alone, without our package, crashes the same way in a loop).
+    """
     from torch.distributed.tensor import DTensor
     from torch.testing._internal.two_tensor import TwoTensor
 
+    if isinstance(t, DTensor) and isinstance(t.to_local(), TwoTensor):
+        local, spec = t.to_local(), (t.device_mesh, t.placements)
+        halves = [
+            DTensor.from_local(h.detach(), *spec, shape=t.shape, stride=t.stride()).full_tensor()
+            for h in (local.a, local.b)
+        ]
+        return torch.cat([h.reshape(-1) for h in halves]).clone()
     t = t.full_tensor() if isinstance(t, DTensor) else t
     if isinstance(t, TwoTensor):
         return torch.cat([t.a.detach().reshape(-1), t.b.detach().reshape(-1)]).clone()
