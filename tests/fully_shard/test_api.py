@@ -313,7 +313,7 @@ def test_errors_name_the_problem_and_the_fix() -> None:
     assert out["mesh_3d"].startswith("ValueError: fully_shard expects a 1D or 2D DeviceMesh")
     assert out["reshard_int"].startswith("ValueError") and "factor of 2" in out["reshard_int"]
     assert out["mp_type"].startswith("TypeError") and "MixedPrecisionPolicy" in out["mp_type"]
-    assert out["dp_mesh_dims"].startswith("NotImplementedError")
+    assert out["dp_mesh_dims"].startswith("ValueError: At least one of shard or replicate")
     assert out["custom_all_gather"].startswith("NotImplementedError: FSDPModule.set_custom")
     assert out["symm_mem"].startswith("NotImplementedError")
     assert out["max_buffers"].startswith("ValueError")

@@ -19,6 +19,7 @@ from fsdp._fully_shard._api import (
     share_comm_ctx,
 )
 from fsdp._fully_shard._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from fsdp._fully_shard._spmd import DataParallelMeshDims
 from fsdp._runtime._common import TrainingState, TrainingStateError
 from fsdp._runtime._quantize import QuantizedCommPolicy
 from fsdp._version import __version__
@@ -51,6 +52,7 @@ __all__ = [
     "CPUOffload",
     "CPUOffloadPolicy",
     "CollectiveError",
+    "DataParallelMeshDims",
     "FSDPModule",
     "FlatUnit",
     "FullOptimStateDictConfig",

@@ -85,7 +85,12 @@ _FULLY_SHARD_NAMES = (
     "register_fsdp_forward_method",
     "share_comm_ctx",
 )
-_POLICY_NAMES = ("CPUOffloadPolicy", "MixedPrecisionPolicy", "OffloadPolicy")
+_POLICY_NAMES = (
+    "CPUOffloadPolicy",
+    "DataParallelMeshDims",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+)
 
 
 def _replacements() -> dict[str, dict[str, Any]]:

@@ -36,6 +36,7 @@ from fsdp._fully_shard._policies import (
     to_mp_policy,
     to_offload_policy,
 )
+from fsdp._fully_shard._spmd import SpmdMesh, spmd_mesh
 from fsdp._fully_shard._state import ORPHAN, FullyShardState, state_of
 from fsdp._fully_shard._tensor_parallel import MeshComposer, check_dtensor_param
 from fsdp._runtime._host_memory import release_freed_host_memory
@@ -128,8 +129,11 @@ def fully_shard(
             gradients and optimizer state on the host.
         ignored_params: parameters left alone: not sharded, not moved, their
             gradients not reduced.
-        dp_mesh_dims: not supported (a ``DataParallelMeshDims`` for parameters
-            that are already ``DTensor`` s on a larger SPMD mesh).
+        dp_mesh_dims: a :class:`DataParallelMeshDims`: ``mesh`` is then the full
+            SPMD mesh the parameters are already ``DTensor`` s on (``Replicate()``
+            on the named dimensions), and ``fully_shard`` shards over its ``shard``
+            dimension(s) and replicates across its ``replicate`` ones; see
+            [Note: full-SPMD meshes] in ``_spmd.py``.
         comm_policy: an extension torch's ``fully_shard`` lacks:
             :class:`~fsdp.QuantizedCommPolicy` gathers this group's parameters
             as int8 blocks and reduce-scatters its gradients as int8 or bf16
@@ -142,30 +146,31 @@ def fully_shard(
     modules = _root_modules(module)
     for m in modules:
         _check_module(m)
-    if dp_mesh_dims is not None:
-        raise NotImplementedError(
-            "fully_shard(dp_mesh_dims=...) (parameters already DTensors on an SPMD mesh) is not "
-            "supported by this implementation; pass the data-parallel mesh and plain parameters"
-        )
     mp = to_mp_policy(mp_policy)
     offload = to_offload_policy(offload_policy)
     comm = to_comm_policy(comm_policy)
     if mesh is None:
         mesh = default_mesh()
-    info = mesh_info(mesh)
+    spmd = None if dp_mesh_dims is None else spmd_mesh(mesh, dp_mesh_dims)
+    info = mesh_info(mesh) if spmd is None else spmd.dp
     device = mesh_device(mesh)
     auto = reshard_after_forward is None
+    if spmd is not None and type(reshard_after_forward) is int:
+        raise NotImplementedError(
+            "reshard_after_forward as int is not yet supported with SPMD mesh "
+            "(dp_mesh_dims): pass True or False"
+        )
     post_forward = post_forward_info(True if auto else reshard_after_forward, info)  # type: ignore[arg-type]
     ignored = set(ignored_params or ())
     managed = _managed_modules(modules, ignored)
-    params = _adopt_tied(modules, _managed_params(managed, ignored), ignored)
+    params = _adopt_tied(modules, _managed_params(managed, ignored, spmd=spmd is not None), ignored)
     _move_to_device(managed, params, ignored, device)
     group = None
     if params:
         sites = _sites(modules, params)
         composer = MeshComposer(info)
         sharded = [
-            _sharded_param(site, p, shard_placement_fn, info, composer)
+            _sharded_param(site, p, shard_placement_fn, info, composer, spmd=spmd)
             for site, p in zip(sites, params, strict=True)
         ]
         group = ParamGroup(
@@ -284,7 +289,9 @@ def _submodules(roots: tuple[nn.Module, ...]) -> list[nn.Module]:
     return out
 
 
-def _managed_params(modules: Iterable[nn.Module], ignored: set[nn.Parameter]) -> list[nn.Parameter]:
+def _managed_params(
+    modules: Iterable[nn.Module], ignored: set[nn.Parameter], *, spmd: bool = False
+) -> list[nn.Parameter]:
     params: list[nn.Parameter] = []
     seen: set[int] = set()
     for m in modules:
@@ -305,7 +312,7 @@ def _managed_params(modules: Iterable[nn.Module], ignored: set[nn.Parameter]) ->
                     "subclass): not supported by this implementation; use extensions on "
                     "plain (not tensor-parallel) parameters, or plain local tensors"
                 )
-            if isinstance(p, DTensor):
+            if isinstance(p, DTensor) and not spmd:
                 check_dtensor_param(name, p)  # tensor parallelism: see _tensor_parallel.py
             if not p.is_contiguous():
                 raise NotImplementedError(
@@ -408,9 +415,20 @@ def _sharded_param(
     fn: Callable[[nn.Parameter], Any] | None,
     info: MeshInfo,
     composer: MeshComposer,
+    *,
+    spmd: SpmdMesh | None,
 ) -> ShardedParam:
     """The sharded form of ``param``: a plain parameter is cut over dp as it is, a
-    ``DTensor`` one by its tp-local tensor ([Note: fully_shard over tensor parallelism])."""
+    ``DTensor`` one by its tp-local tensor ([Note: fully_shard over tensor parallelism],
+    [Note: full-SPMD meshes])."""
+    if spmd is not None:
+        spmd.check_param(site.name, param)
+        assert isinstance(param, DTensor)
+        spec = spmd.spec(param)
+        local_shape = param._local_tensor.shape
+        shard = _placement(fn, param, local_shape, info.shard_size)
+        mesh, placements = spmd.sharded_form(spec, shard)
+        return ShardedParam(site, local_shape, shard, mesh=mesh, placements=placements, tp=spec)
     if not isinstance(param, DTensor):
         shard = _placement(fn, param, param.shape, info.shard_size)
         return ShardedParam(

@@ -87,6 +87,9 @@ class TensorParallelSpec:
     placements: tuple[Placement, ...]  # Shard(d) or Replicate() per tp mesh dim
     shape: torch.Size  # global shape
     stride: tuple[int, ...]  # global stride (contiguous)
+    # Mesh dims whose gradient placement is kept as autograd left it (a full SPMD mesh's
+    # data-parallel dims, reduced by fully_shard itself: [Note: full-SPMD meshes]).
+    keep_grad_dims: frozenset[int] = frozenset()
 
     def shards_along(self, dim: int) -> int:
         """How many tp pieces dimension ``dim`` is cut into (1: not cut by tp)."""
@@ -116,8 +119,12 @@ class TensorParallelSpec:
                 f"the gradient of a tensor-parallel parameter is a {type(grad).__name__}, "
                 "expected a DTensor on the parameter's tp mesh"
             )
-        if tuple(grad.placements) != self.placements:
-            grad = grad.redistribute(self.mesh, self.placements)
+        target = tuple(
+            grad.placements[i] if i in self.keep_grad_dims else placement
+            for i, placement in enumerate(self.placements)
+        )
+        if tuple(grad.placements) != target:
+            grad = grad.redistribute(self.mesh, target)
         local: Tensor = grad._local_tensor
         wait = getattr(local, "wait", None)
         if callable(wait) and type(local) is not Tensor:
