@@ -23,19 +23,25 @@ from tests.ranks import run_ranks
 STEPS = 3
 IN, HIDDEN = 8, 10  # HIDDEN / tp = 5 rows per tp piece: uneven over 2 dp ranks
 
-# name -> (mesh shape, mesh dim names, shard names, replicate names, reshard_after_forward)
-CASES: dict[int, dict[str, tuple[tuple[int, ...], tuple[str, ...], Any, Any, bool]]] = {
-    1: {"dp1": ((1,), ("dp_shard",), "dp_shard", None, True)},
+KEEP = {"reshard_after_forward": False}
+BF16 = {"bf16": True}
+OFFLOAD = {"offload": True}
+# name -> (mesh shape, mesh dim names, shard names, replicate names, options)
+CASES: dict[int, dict[str, tuple[tuple[int, ...], tuple[str, ...], Any, Any, dict[str, Any]]]] = {
+    1: {"dp1": ((1,), ("dp_shard",), "dp_shard", None, {})},
     2: {
-        "dp2": ((2,), ("dp_shard",), "dp_shard", None, True),
-        "dp2_keep": ((2,), ("dp_shard",), "dp_shard", None, False),
-        "dp1_tp2": ((1, 2), ("dp_shard", "tp"), "dp_shard", None, True),
+        "dp2": ((2,), ("dp_shard",), "dp_shard", None, {}),
+        "dp2_keep": ((2,), ("dp_shard",), "dp_shard", None, KEEP),
+        "dp2_bf16": ((2,), ("dp_shard",), "dp_shard", None, BF16),
+        "dp1_tp2": ((1, 2), ("dp_shard", "tp"), "dp_shard", None, {}),
     },
     4: {
-        "dp2_tp2": ((2, 2), ("dp_shard", "tp"), "dp_shard", None, True),
-        "tp2_dp2": ((2, 2), ("tp", "dp_shard"), "dp_shard", None, True),
-        "hsdp2x2": ((2, 2), ("dp_replicate", "dp_shard"), "dp_shard", "dp_replicate", True),
-        "flat_dp_cp": ((2, 2), ("dp_shard", "cp"), ("dp_shard", "cp"), None, True),
+        "dp2_tp2": ((2, 2), ("dp_shard", "tp"), "dp_shard", None, {}),
+        "dp2_tp2_bf16": ((2, 2), ("dp_shard", "tp"), "dp_shard", None, BF16),
+        "dp2_tp2_offload": ((2, 2), ("dp_shard", "tp"), "dp_shard", None, OFFLOAD),
+        "tp2_dp2": ((2, 2), ("tp", "dp_shard"), "dp_shard", None, {}),
+        "hsdp2x2": ((2, 2), ("dp_replicate", "dp_shard"), "dp_shard", "dp_replicate", {}),
+        "flat_dp_cp": ((2, 2), ("dp_shard", "cp"), ("dp_shard", "cp"), None, {}),
     },
 }
 
@@ -89,10 +95,10 @@ def _build(impl: str, case: tuple[Any, ...]) -> tuple[nn.Module, Any, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
     if impl == "torch":
-        from torch.distributed.fsdp import DataParallelMeshDims, fully_shard
+        import torch.distributed.fsdp as api
     else:
-        from fsdp import DataParallelMeshDims, fully_shard  # type: ignore[assignment]
-    shape, names, shard, replicate, reshard = case
+        import fsdp as api  # type: ignore[no-redef]
+    shape, names, shard, replicate, options = case
     # One mesh object per layout for both runs: DTensor's sharding cache hands out the
     # equal mesh of an earlier op, and torch's fully_shard insists on the very object.
     mesh = _MESHES.get((shape, names))
@@ -101,10 +107,15 @@ def _build(impl: str, case: tuple[Any, ...]) -> tuple[nn.Module, Any, Any]:
     torch.manual_seed(0)
     model = nn.Sequential(_Block(), _Block())
     _distribute(model, mesh)
-    dims = DataParallelMeshDims(shard=shard, replicate=replicate)
+    kwargs: dict[str, Any] = {"dp_mesh_dims": api.DataParallelMeshDims(shard, replicate)}
+    if options.get("bf16"):
+        kwargs["mp_policy"] = api.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    if options.get("offload"):
+        kwargs["offload_policy"] = api.CPUOffloadPolicy(pin_memory=False)
     for block in model:
-        fully_shard(block, mesh=mesh, dp_mesh_dims=dims, reshard_after_forward=reshard)
-    fully_shard(model, mesh=mesh, dp_mesh_dims=dims)
+        reshard = options.get("reshard_after_forward", True)
+        api.fully_shard(block, mesh=mesh, reshard_after_forward=reshard, **kwargs)
+    api.fully_shard(model, mesh=mesh, **kwargs)
     return model, mesh, _dp_placements(mesh, shard, replicate)
 
 
@@ -160,9 +171,20 @@ def _differences(
 def _parity_rank(world_size: int) -> dict[str, list[str]]:
     out = {}
     for name, case in CASES[world_size].items():
-        ref = _train(*_build("torch", case))
-        ours = _train(*_build("ours", case))
+        torch_model, mesh, placements = _build("torch", case)
+        ref = _train(torch_model, mesh, placements)
+        ours_model = _build("ours", case)[0]
+        ours = _train(ours_model, mesh, placements)
         out[name] = _differences(ref, ours, TOLERANCE.get(name, 0.0))
+        # torch's trained sharded state dict loads into a fresh model of ours as it is.
+        fresh = _build("ours", case)[0]
+        theirs = torch_model.state_dict()
+        fresh.load_state_dict(theirs)
+        for key, value in fresh.state_dict().items():
+            if value.placements != theirs[key].placements or not torch.equal(
+                _full(value), _full(theirs[key])
+            ):
+                out[name].append(f"{key} differs after loading torch's state dict")
     return out
 
 
@@ -170,7 +192,8 @@ def _parity_rank(world_size: int) -> dict[str, list[str]]:
 def test_trains_equal_to_torchs(world_size: int) -> None:
     """dp only, dp x tp (both mesh orders: ``_StridedShard`` or not), HSDP and two
     flattened shard dimensions: layouts, losses, gradients and parameters bit for bit
-    (within :data:`TOLERANCE` where 4 ranks sum each element)."""
+    (within :data:`TOLERANCE` where 4 ranks sum each element), in fp32, with bf16
+    parameters and with CPU offload; torch's trained state dict then loads into ours."""
     for rank, per_case in enumerate(run_ranks(_parity_rank, world_size, world_size, timeout=240)):
         assert sorted(per_case) == sorted(CASES[world_size])
         for name, differences in per_case.items():
