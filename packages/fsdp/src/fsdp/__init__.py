@@ -18,6 +18,7 @@ from fsdp._fully_shard._api import (
     register_fsdp_forward_method,
     share_comm_ctx,
 )
+from fsdp._fully_shard._param_mesh import ShardPlacementResult
 from fsdp._fully_shard._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from fsdp._fully_shard._spmd import DataParallelMeshDims
 from fsdp._runtime._common import TrainingState, TrainingStateError
@@ -69,6 +70,7 @@ __all__ = [
     "OptimStateKeyType",
     "QuantizedCommPolicy",
     "RankDisagreementError",
+    "ShardPlacementResult",
     "ShardedGradScaler",
     "ShardedOptimStateDictConfig",
     "ShardedStateDictConfig",

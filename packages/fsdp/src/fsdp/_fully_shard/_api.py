@@ -22,7 +22,6 @@ from fsdp._fully_shard import _composable
 from fsdp._fully_shard._extensions import has_extension, is_extension_param
 from fsdp._fully_shard._mesh import (
     InvalidArgumentError,
-    MeshInfo,
     default_mesh,
     mesh_device,
     mesh_info,
@@ -30,6 +29,7 @@ from fsdp._fully_shard._mesh import (
 )
 from fsdp._fully_shard._param import ParamSite, ShardedParam
 from fsdp._fully_shard._param_group import OWNER, GroupState, ParamGroup
+from fsdp._fully_shard._param_mesh import PlacementResolver
 from fsdp._fully_shard._policies import (
     MixedPrecisionPolicy,
     OffloadPolicy,
@@ -38,7 +38,7 @@ from fsdp._fully_shard._policies import (
 )
 from fsdp._fully_shard._spmd import SpmdMesh, spmd_mesh
 from fsdp._fully_shard._state import ORPHAN, FullyShardState, state_of
-from fsdp._fully_shard._tensor_parallel import MeshComposer, check_dtensor_param
+from fsdp._fully_shard._tensor_parallel import check_dtensor_param
 from fsdp._runtime._host_memory import release_freed_host_memory
 from fsdp._runtime._quantize import QuantizedCommPolicy, to_comm_policy
 
@@ -168,9 +168,9 @@ def fully_shard(
     group = None
     if params:
         sites = _sites(modules, params)
-        composer = MeshComposer(info)
+        resolver = PlacementResolver(shard_placement_fn, info)
         sharded = [
-            _sharded_param(site, p, shard_placement_fn, info, composer, spmd=spmd)
+            _sharded_param(site, p, resolver, spmd=spmd)
             for site, p in zip(sites, params, strict=True)
         ]
         group = ParamGroup(
@@ -412,50 +412,61 @@ def _sites(roots: tuple[nn.Module, ...], params: list[nn.Parameter]) -> list[Par
 def _sharded_param(
     site: ParamSite,
     param: nn.Parameter,
-    fn: Callable[[nn.Parameter], Any] | None,
-    info: MeshInfo,
-    composer: MeshComposer,
+    resolver: PlacementResolver,
     *,
     spmd: SpmdMesh | None,
 ) -> ShardedParam:
     """The sharded form of ``param``: a plain parameter is cut over dp as it is, a
     ``DTensor`` one by its tp-local tensor ([Note: fully_shard over tensor parallelism],
-    [Note: full-SPMD meshes])."""
+    [Note: full-SPMD meshes]), over its own mesh if ``shard_placement_fn`` gives one
+    ([Note: parameters on their own mesh])."""
+    requested, info = resolver.resolve(site.name, param)
     if spmd is not None:
+        if info is not resolver.info:
+            raise NotImplementedError(
+                f"shard_placement_fn returned a mesh of its own for {site.name!r} together "
+                "with dp_mesh_dims: not supported by this implementation; return a Shard(dim) "
+                "(or None) for parameters on the full SPMD mesh"
+            )
         spmd.check_param(site.name, param)
         assert isinstance(param, DTensor)
         spec = spmd.spec(param)
         local_shape = param._local_tensor.shape
-        shard = _placement(fn, param, local_shape, info.shard_size)
+        shard = _placement(requested, param, local_shape, info.shard_size)
         mesh, placements = spmd.sharded_form(spec, shard)
-        return ShardedParam(site, local_shape, shard, mesh=mesh, placements=placements, tp=spec)
-    if not isinstance(param, DTensor):
-        shard = _placement(fn, param, param.shape, info.shard_size)
         return ShardedParam(
-            site, param.shape, shard, mesh=info.mesh, placements=info.placements(shard)
+            site, local_shape, shard, info=info, mesh=mesh, placements=placements, tp=spec
         )
+    if not isinstance(param, DTensor):
+        shard = _placement(requested, param, param.shape, info.shard_size)
+        return ShardedParam(
+            site, param.shape, shard, info=info, mesh=info.mesh, placements=info.placements(shard)
+        )
+    composer = resolver.composer(info)
     tp = composer.spec(param)
     local_shape = param._local_tensor.shape
-    shard = _placement(fn, param, local_shape, info.shard_size)
+    shard = _placement(requested, param, local_shape, info.shard_size)
     mesh, placements = composer.sharded_form(site.name, tp, shard)
-    return ShardedParam(site, local_shape, shard, mesh=mesh, placements=placements, tp=tp)
+    return ShardedParam(
+        site, local_shape, shard, info=info, mesh=mesh, placements=placements, tp=tp
+    )
 
 
 def _placement(
-    fn: Callable[[nn.Parameter], Any] | None,
+    placement: Any,
     param: nn.Parameter,
     shape: torch.Size,
     shards: int,
 ) -> Shard:
-    """The ``Shard(dim)`` to cut ``param`` along, checked against ``shape``, what is cut
-    (the parameter's, or a tensor-parallel parameter's local one)."""
-    placement = None if fn is None else fn(param)
+    """The ``Shard(dim)`` to cut ``param`` along (``placement`` from ``shard_placement_fn``,
+    ``None``: dim 0), checked against ``shape``, what is cut (the parameter's, or a
+    tensor-parallel parameter's local one)."""
     if placement is None:
         return Shard(0)
     if not isinstance(placement, Shard) or type(placement) is not Shard:
         raise NotImplementedError(
             f"shard_placement_fn returned {placement!r}: only a Shard(dim) (or None for dim 0) "
-            "is supported by this implementation (not a per-parameter mesh)"
+            "is supported as a placement by this implementation"
         )
     ndim = len(shape)
     dim = placement.dim + ndim if placement.dim < 0 else placement.dim

@@ -49,6 +49,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Shard
 
+from fsdp._fully_shard._mesh import MeshInfo
 from fsdp._fully_shard._tensor_parallel import TensorParallelSpec, wrap_local
 
 __all__ = ["ParamSite", "ShardedParam", "local_object", "local_tensor", "set_local_tensor"]
@@ -83,6 +84,7 @@ class ShardedParam:
     fqn: str  # name under the root module, for messages (set at lazy initialisation)
     shape: torch.Size  # what is cut: the full shape, or a tp parameter's local shape
     placement: Shard  # the dim it is cut along (over dp)
+    info: MeshInfo  # the data-parallel groups it is cut over (its part's)
     mesh: DeviceMesh  # of the sharded DTensor: the dp mesh, or dp joined to tp
     placements: tuple[Placement, ...]  # of the sharded DTensor on ``mesh``
     tp: TensorParallelSpec | None  # a tensor-parallel parameter's unsharded form
@@ -98,11 +100,13 @@ class ShardedParam:
         shape: torch.Size,
         placement: Shard,
         *,
+        info: MeshInfo,
         mesh: DeviceMesh,
         placements: tuple[Placement, ...],
         tp: TensorParallelSpec | None = None,
     ) -> None:
         self.site = site
+        self.info = info
         self.fqn = site.name
         self.shape = shape
         self.placement = placement

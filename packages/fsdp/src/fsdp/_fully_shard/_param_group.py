@@ -46,7 +46,7 @@ from torch.distributed.tensor import DTensor
 
 from flatparam import ChunkLayout
 from fsdp._fully_shard._extensions import ExtensionGather, has_extension, is_extension_param
-from fsdp._fully_shard._mesh import MeshInfo
+from fsdp._fully_shard._mesh import MeshInfo, post_forward_info
 from fsdp._fully_shard._param import (
     ShardedParam,
     local_object,
@@ -92,6 +92,7 @@ class GroupPart:
     group: ParamGroup
     params: list[ShardedParam]
     trainable: bool
+    mesh: MeshInfo  # the groups this part is cut over: the group's, or its parameters' own
     orig_dtype: torch.dtype
     compute_dtype: torch.dtype  # of the gathered and unsharded parameters
     reduce_dtype: torch.dtype  # of the gradient reduction
@@ -119,6 +120,7 @@ class GroupPart:
         self.group = group
         self.params = params
         self.trainable = trainable
+        self.mesh = params[0].info if params else group.mesh
         self.partial = None
         self.post_layout = None
         self.post_storage = None
@@ -127,8 +129,8 @@ class GroupPart:
         if extension:
             self.extension = ExtensionGather(
                 params,
-                ChunkLayout.build([], group.mesh.shard_size),
-                group.mesh,
+                ChunkLayout.build([], self.mesh.shard_size),
+                self.mesh,
                 device=group.device,
                 mp_policy=group.mp,
                 offload=group.offload_to_cpu,
@@ -145,9 +147,8 @@ class GroupPart:
         if not keep:
             self.params = []
             return
-        g = self.group
         layout = ChunkLayout.build(
-            [p.shape for p in keep], g.mesh.shard_size, [p.placement.dim for p in keep]
+            [p.shape for p in keep], self.mesh.shard_size, [p.placement.dim for p in keep]
         )
         if self.extension is not None:
             self.params = self.extension.params = keep
@@ -155,12 +156,12 @@ class GroupPart:
             self.layout = layout
             self._make_storage(self._placeholder(self.storage.shard))
             return
-        old_views = self.layout.local_views(self.storage.shard, g.mesh.shard_rank)
+        old_views = self.layout.local_views(self.storage.shard, self.mesh.shard_rank)
         kept_views = [v for i, v in enumerate(old_views) if i not in indices]
         self.params = keep
         self.layout = layout
         region = self._new_region(self.storage.shard)
-        new_views = self.layout.local_views(region, g.mesh.shard_rank)
+        new_views = self.layout.local_views(region, self.mesh.shard_rank)
         with torch.no_grad():
             for p, old, new in zip(keep, kept_views, new_views, strict=True):
                 if region.device.type != "meta":
@@ -172,18 +173,17 @@ class GroupPart:
         """Shard ``tensors`` (the original parameters' data: for a tensor-parallel one its
         local tensor) into a new region and wrap each chunk as the sharded ``DTensor``
         parameter."""
-        g = self.group
         self.orig_dtype = tensors[0].dtype
         self.layout = ChunkLayout.build(
             [p.shape for p in self.params],
-            g.mesh.shard_size,
+            self.mesh.shard_size,
             [p.placement.dim for p in self.params],
         )
         ext = self.extension
         if ext is not None:
             ext.layout = self.layout
             device = self._region_device(tensors[0])
-            locals_ = ext.build(tensors, g.mesh.shard_rank, device)
+            locals_ = ext.build(tensors, self.mesh.shard_rank, device)
             self._make_storage(self._placeholder(tensors[0]))
             for p, local, rg in zip(self.params, locals_, requires_grad, strict=True):
                 p.make_sharded(local, rg)
@@ -191,9 +191,9 @@ class GroupPart:
             return
         region = self._new_region(tensors[0])
         if region.device.type != "meta":
-            self.layout.shard([t.detach() for t in tensors], g.mesh.shard_rank, out=region)
+            self.layout.shard([t.detach() for t in tensors], self.mesh.shard_rank, out=region)
         self._make_storage(region)
-        views = self.layout.local_views(region, g.mesh.shard_rank)
+        views = self.layout.local_views(region, self.mesh.shard_rank)
         for p, view, rg in zip(self.params, views, requires_grad, strict=True):
             p.make_sharded(view, rg)
             p.site.set(p.sharded)
@@ -202,12 +202,11 @@ class GroupPart:
         """Take parameters whose local tensors (``locals_``, each a prefix of ``padded``, its
         chunk with the padding rows) stay as they are: an extension part's parameters moved
         out of a region (``ParamGroup.adopt_extensions``)."""
-        g = self.group
         ext = self.extension
         assert ext is not None
         self.layout = ChunkLayout.build(
             [p.shape for p in self.params],
-            g.mesh.shard_size,
+            self.mesh.shard_size,
             [p.placement.dim for p in self.params],
         )
         ext.layout = self.layout
@@ -253,7 +252,7 @@ class GroupPart:
         self.compute_dtype = param_dtype
         self.reduce_dtype = g.mp.reduce_dtype or param_dtype
         self.storage = self._storage(
-            region, self.layout, g.mesh, offload=g.offload_to_cpu, comm_policy=g.comm_policy
+            region, self.layout, self.mesh, offload=g.offload_to_cpu, comm_policy=g.comm_policy
         )
         if self.extension is not None:
             self.extension.compute_dtype = self.compute_dtype
@@ -264,11 +263,11 @@ class GroupPart:
         """The storage of the copy kept between forward and backward under an int
         ``reshard_after_forward`` (none otherwise); its shard is allocated only then."""
         g = self.group
-        if g.post_forward is None or g.post_forward is g.mesh or self.extension is not None:
+        info = g.post_forward_of(self.mesh)
+        if info is None or info is self.mesh or self.extension is not None:
             # An extension part gathers its full shard again in backward (as torch's can).
             self.post_layout = self.post_storage = None
             return
-        info = g.post_forward
         self.post_layout = ChunkLayout.build(self.layout.shapes, info.shard_size, self.layout.dims)
         post_region = torch.empty(
             self.post_layout.shard_numel, dtype=self.compute_dtype, device=g.device
@@ -313,7 +312,7 @@ class GroupPart:
         against overflow and underflow.
         """
         g = self.group
-        size = g.mesh.shard_size * g.mesh.replicate_size
+        size = self.mesh.shard_size * self.mesh.replicate_size
         factor = float(size) if g.gradient_divide_factor is None else g.gradient_divide_factor
         storage = self.storage
         averaged = self.reduce_dtype in (torch.float32, torch.bfloat16)
@@ -329,7 +328,6 @@ class GroupPart:
 
     def sync(self) -> None:
         """Take back parameters something outside replaced; see ``ParamGroup.sync``."""
-        g = self.group
         current: list[nn.Parameter] = []
         for p in self.params:
             registered: Any = p.site.get()
@@ -340,13 +338,13 @@ class GroupPart:
                     module._parameters[name] = p.sharded
             current.append(p.sharded)
         if self.extension is not None:
-            self.extension.sync(current, g.mesh.shard_rank)
+            self.extension.sync(current, self.mesh.shard_rank)
             return
         locals_ = [local_tensor(p) for p in current]
         if any(t.is_meta for t in locals_):
             return  # still to be materialised (to_empty); the lazy init checks
         region = self.storage.shard
-        views = self.layout.local_views(region, g.mesh.shard_rank)
+        views = self.layout.local_views(region, self.mesh.shard_rank)
         same = (
             region.device.type != "meta"
             and all(t.dtype == region.dtype and t.device == region.device for t in locals_)
@@ -355,7 +353,7 @@ class GroupPart:
         if same:
             return
         new_region = self._new_region(locals_[0])
-        new_views = self.layout.local_views(new_region, g.mesh.shard_rank)
+        new_views = self.layout.local_views(new_region, self.mesh.shard_rank)
         with torch.no_grad():
             for param, t, view in zip(current, locals_, new_views, strict=True):
                 view.copy_(t)
@@ -440,7 +438,7 @@ class GroupPart:
         layout, storage = self.post_layout, self.post_storage
         assert layout is not None and storage is not None
         alloc_storage(storage.shard, layout.shard_numel)
-        rank = self.group.post_forward.shard_rank  # type: ignore[union-attr]
+        rank = self.group.post_forward_of(self.mesh).shard_rank  # type: ignore[union-attr]
         fulls = [self.layout.full_view(i, p.buf) for i, p in enumerate(self.params)]  # type: ignore[arg-type]
         layout.shard(fulls, rank, out=storage.shard)
 
@@ -516,14 +514,13 @@ class GroupPart:
         if not reduce.final:  # reduce-scattered only: kept until the all-reduce
             self.partial = out if self.partial is None else self.partial.add_(out)
             return
-        g = self.group
         storage = self.storage
         storage.wait_for_host_grad()  # an earlier copy into a gradient added to below
         taken = [p for p, take in zip(self.params, mask, strict=True) if take]
         if event is not None and any(p.sharded.grad is not None for p in taken):
             storage.synchronize(event)  # the CPU reads ``out`` now
             event = None
-        views = self.layout.local_views(out, g.mesh.shard_rank)
+        views = self.layout.local_views(out, self.mesh.shard_rank)
         for p, view, take in zip(self.params, views, mask, strict=True):
             if not take:
                 continue
@@ -634,11 +631,12 @@ class ParamGroup:
         self.all_reduce_hook = None
         self._gathering_post_forward = False
         self.parts = []
-        by_key: dict[tuple[torch.dtype, bool, bool], list[int]] = {}
+        self._post_forward_by_mesh: dict[int, tuple[MeshInfo, MeshInfo | None]] = {}
+        by_key: dict[tuple[torch.dtype, bool, bool, int], list[int]] = {}
         for i, t in enumerate(tensors):
-            key = (t.dtype, t.requires_grad, is_extension_param(t))
+            key = (t.dtype, t.requires_grad, is_extension_param(t), id(params[i].info))
             by_key.setdefault(key, []).append(i)
-        for (_, trainable, extension), idx in by_key.items():
+        for (_, trainable, extension, _), idx in by_key.items():
             part = GroupPart(self, [params[i] for i in idx], trainable, extension=extension)
             data = [local_tensor(tensors[i]) for i in idx]  # a tp parameter: its local piece
             part.build(data, [tensors[i].requires_grad for i in idx])
@@ -686,11 +684,26 @@ class ParamGroup:
 
     # --- settings ---------------------------------------------------------------------------
 
+    def post_forward_of(self, mesh: MeshInfo) -> MeshInfo | None:
+        """Where a part cut over ``mesh`` goes after forward: the group's setting applied to
+        that mesh (a part on a parameter's own mesh: [Note: parameters on their own mesh])."""
+        post = self.post_forward
+        if mesh is self.mesh or post is None:
+            return post
+        if post is self.mesh:
+            return mesh
+        known = self._post_forward_by_mesh.get(id(mesh))
+        if known is None or known[0] is not mesh:
+            known = (mesh, post_forward_info(post.shard_size, mesh))
+            self._post_forward_by_mesh[id(mesh)] = known
+        return known[1]
+
     def set_post_forward(self, info: MeshInfo | None) -> None:
         """Change where parameters go after forward (``set_reshard_after_forward``)."""
         if self.state is GroupState.SHARDED_POST_FORWARD:
             self.reshard()
         self.post_forward = info
+        self._post_forward_by_mesh.clear()
         for part in self.parts:
             part.make_post_storage()
 
@@ -738,7 +751,7 @@ class ParamGroup:
             locals_ = [local_object(p.sharded) for p in moved]
             padded = [part.padded_local(i) for i in hooked]
             part.drop(set(hooked))
-            new = GroupPart(self, moved, part.trainable, extension=True)
+            new = GroupPart(self, moved, part.trainable, extension=True)  # on part.mesh
             new.adopt(locals_, padded)
             self.parts.append(new)
         self.parts = [part for part in self.parts if part.params]
