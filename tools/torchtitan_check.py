@@ -1,16 +1,59 @@
 """Manual check (not in CI): torchtitan's own trainer with torch's ``fully_shard`` vs ours.
 
-Needs torchtitan 0.3.0 (not a dependency of ours), in a venv of its own::
+Needs torchtitan 0.3.0 (not a dependency of ours), in a venv of its own; our packages
+are not installed there but put on the rank processes' path from ``--tree``::
 
     python3 -m venv /work/venv-titan
     /work/venv-titan/bin/pip install torch==2.13.0   # first, or pip pulls a CUDA build
     /work/venv-titan/bin/pip install torchtitan==0.3.0 --no-deps
+    # what torchtitan imports (and ckpt's safetensors), without touching torch:
     /work/venv-titan/bin/pip install tyro spmd_types==0.2.3 torchdata tensorboard \\
-        triton tokenizers "datasets>=3.6,<4.8"       # what torchtitan imports
-    /work/venv-titan/bin/python tools/torchtitan_check.py            # this tree
+        triton tokenizers "datasets>=3.6,<4.8" safetensors
+    /work/venv-titan/bin/python tools/torchtitan_check.py                    # this tree
     /work/venv-titan/bin/python tools/torchtitan_check.py --tree /work/wt-spmd
+    /work/venv-titan/bin/python tools/torchtitan_check.py --configs dtensor-hsdp2x2 --keep
 
-PLACEHOLDER
+Each configuration trains torchtitan's llama3 debug model (``--module llama3 --config
+llama3_debugmodel``: 6 layers, dim 256, vocab 2,048, bf16 parameters / fp32 reductions,
+selective activation checkpointing) for ``--steps`` steps, fixed seed, deterministic
+algorithms, sequence length 32, local batch 2, through ``torchtitan.train.main`` under
+``torch.distributed.run`` on CPU with gloo: once with torch's ``fully_shard`` and once
+with ours (``fsdp.torch_compat.install()`` before torchtitan imports its names). It prints
+per step both losses (the loss torchtitan logs) and grad norms, whether they are equal
+bit for bit, and every distinct ``fully_shard`` call torchtitan makes: the modules, the
+mesh, ``dp_mesh_dims`` and the other keywords, and its parameters' placements before
+and after (``_S(0, 2)`` is ``_StridedShard(dim=0, split_factor=2)``). A run that fails
+reports the first line of its error. Configurations (``--configs``):
+
+- ``fsdp-2``: 2 ranks, ``spmd_backend=partial_dtensor``: plain FSDP on a 1-D ``fsdp`` mesh.
+- ``dtensor-fsdp-2``: 2 ranks, ``full_dtensor``: parameters are DTensors on the SPMD
+  mesh before ``fully_shard(..., dp_mesh_dims=DataParallelMeshDims(shard="dp_shard"))``.
+- ``dtensor-fsdp2xtp2``: 4 ranks, ``full_dtensor``, dp_shard 2 x tp 2.
+- ``dtensor-hsdp2x2``: 4 ranks, ``full_dtensor``, dp_replicate 2 x dp_shard 2.
+- ``spmd-types-2`` (only when named): torchtitan 0.3.0's default backend, which passes
+  plain parameters with spmd_types annotations and ``dp_mesh_dims``; torch 2.13's
+  ``fully_shard`` rejects them.
+
+Under ``full_dtensor`` the loss torchtitan logs is the data-parallel degree times the
+mean (its own reporting; the grad norms match the plain run's), the same for both.
+
+Run-time patches, applied in the rank processes (site-packages is not edited):
+
+- every process group gets a ``PG_TIMEOUT_S`` timeout (the default one through
+  ``--comm.init_timeout_seconds``, DeviceMesh's through c10d's default), and
+  ``set_pg_timeouts`` (a barrier on a CUDA device) is skipped;
+- ``torchtitan.tools.utils.device_type`` is ``"cpu"`` and its ``device_module`` answers
+  torch.cuda's memory, name and synchronize calls (torchtitan falls back to CUDA);
+- the debug model's attention is causal SDPA instead of FlexAttention, which compiles
+  with inductor (a C++ toolchain and minutes on a CPU); the model is otherwise the same;
+- torchtitan sets a gradient divide factor of 1.0, which torch's ``fully_shard`` turns
+  into ``ReduceOp.PREMUL_SUM(1.0)``, which gloo lacks: every FSDP module also gets
+  ``set_force_sum_reduction_for_comms(True)`` (the same sum; ours accepts the call);
+- the repository's tokenizer and ``c4_test`` corpus are not in torchtitan's wheel:
+  a word-level tokenizer and a random-word corpus are written to a temporary folder.
+
+Each training run is a ``torch.distributed.run`` process group killed after
+``--timeout`` seconds; the whole check takes about 3 minutes on 2 busy cores.
 """
 
 from __future__ import annotations
@@ -24,9 +67,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 import types
-from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -50,6 +93,10 @@ CONFIGS: dict[str, tuple[int, list[str]]] = {
         ],
     ),
 }
+# torchtitan's own default backend: needs fully_shard to read spmd_types annotations
+# on plain tensors, which torch 2.13's does not (not run unless named)
+CONFIGS["spmd-types-2"] = (2, ["--parallelism.spmd_backend", "spmd_types"])
+DEFAULT_CONFIGS = ["fsdp-2", "dtensor-fsdp-2", "dtensor-fsdp2xtp2", "dtensor-hsdp2x2"]
 IMPLS = ("torch", "ours")
 PG_TIMEOUT_S = 120  # every process group's timeout, in the rank processes
 
@@ -114,7 +161,7 @@ def _describe_tensor(t: Any) -> str:
     return f"{type(t).__name__} {str(t.dtype).removeprefix('torch.')}"
 
 
-def _spy_fully_shard(calls: list[dict[str, Any]]) -> None:
+def _spy_fully_shard(results: dict[str, Any]) -> None:
     """Wrap ``torch.distributed.fsdp.fully_shard`` (torch's or ours) to record its calls.
 
     Records what torchtitan passes: the module(s), the mesh, ``dp_mesh_dims`` and the
@@ -123,7 +170,8 @@ def _spy_fully_shard(calls: list[dict[str, Any]]) -> None:
     import torch.distributed.fsdp as torch_fsdp
 
     inner = torch_fsdp.fully_shard
-    calls.append({"implementation": f"{inner.__module__}.{inner.__qualname__}"})
+    results["fully_shard_impl"] = f"{inner.__module__}.{inner.__qualname__}"
+    calls: list[dict[str, Any]] = results["fully_shard"]
 
     def own_params(modules: list[Any]) -> list[tuple[str, Any]]:
         fsdp_module = torch_fsdp.FSDPModule
@@ -136,11 +184,13 @@ def _spy_fully_shard(calls: list[dict[str, Any]]) -> None:
         }
         return [(n, p) for m in modules for n, p in m.named_parameters() if id(p) not in taken]
 
-    def summary(params: list[tuple[str, Any]]) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for _, p in params:
-            key = _describe_tensor(p)
-            out[key] = out.get(key, 0) + 1
+    def summary(params: list[tuple[str, Any]]) -> dict[str, list[str]]:
+        """Kind of tensor -> the parameters of that kind, with their global shapes."""
+        out: dict[str, list[str]] = {}
+        for name, p in params:
+            short = name.replace("_checkpoint_wrapped_module.", "")
+            shape = "x".join(str(d) for d in p.shape)
+            out.setdefault(_describe_tensor(p), []).append(f"{short}({shape})")
         return out
 
     def spy(module: Any, *args: Any, **kwargs: Any) -> Any:
@@ -184,7 +234,7 @@ def _patch_for_cpu(results: dict[str, Any]) -> None:
     titan_utils.device_type = "cpu"
     titan_utils.device_module = _CpuDeviceModule()  # type: ignore[assignment]
 
-    import torchtitan.models.llama3 as llama3
+    from torchtitan.models import llama3
     from torchtitan.models.common.attention import ScaledDotProductAttention
 
     # FlexAttention compiles a kernel with inductor (a C++ toolchain and minutes on
@@ -215,8 +265,15 @@ def _patch_for_cpu(results: dict[str, Any]) -> None:
 
     log = MetricsProcessor.log
 
-    def spy_log(self: Any, step: int, global_avg_loss: float, global_max_loss: float,
-                grad_norm: float, *args: Any, **kwargs: Any) -> Any:
+    def spy_log(
+        self: Any,
+        step: int,
+        global_avg_loss: float,
+        global_max_loss: float,
+        grad_norm: float,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
         results["losses"].append(float(global_avg_loss))
         results["grad_norms"].append(float(grad_norm))
         return log(self, step, global_avg_loss, global_max_loss, grad_norm, *args, **kwargs)
@@ -237,14 +294,14 @@ def _rank_main(impl: str, tree: Path, out: Path, titan_args: list[str]) -> int:
 
             fsdp.torch_compat.install()
             results["fsdp_file"] = fsdp.__file__
-        _spy_fully_shard(results["fully_shard"])
+        _spy_fully_shard(results)
         _patch_for_cpu(results)
         import torchtitan.train
 
         sys.argv = ["torchtitan.train", *titan_args]
         torchtitan.train.main()
         code = 0
-    except BaseException as exc:  # noqa: BLE001 - reported to the driver
+    except BaseException as exc:  # reported to the driver
         text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
         results["error"] = text.splitlines()[0] if text else type(exc).__name__
         results["traceback"] = traceback.format_exc()
@@ -284,7 +341,8 @@ def _write_assets(folder: Path) -> None:
             f.write(json.dumps({"text": text}) + "\n")
 
 
-def _titan_args(assets: Path, dump: Path, steps: int, extra: list[str]) -> list[str]:
+def _titan_args(work: Path, dump: Path, steps: int, extra: list[str]) -> list[str]:
+    assets = work / "assets"
     return [
         "--module", "llama3",
         "--config", "llama3_debugmodel",
@@ -306,7 +364,7 @@ def _titan_args(assets: Path, dump: Path, steps: int, extra: list[str]) -> list[
 
 
 def _run_config(
-    impl: str, ranks: int, titan_args: list[str], tree: Path, work: Path, timeout: float
+    impl: str, ranks: int, titan_args: list[str], *, tree: Path, work: Path, timeout: float
 ) -> dict[str, Any]:
     """One torchtitan training run on ``ranks`` gloo processes; rank 0's record."""
     out = work / "out"
@@ -321,7 +379,7 @@ def _run_config(
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
-        "HF_HOME": str(work / "hf"),
+        "HF_HOME": str(work.parent.parent / "hf"),
         "HF_DATASETS_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
         "PYTHONPATH": "",
@@ -350,55 +408,100 @@ def _run_config(
     return record
 
 
-def _compare(ref: dict[str, Any], ours: dict[str, Any]) -> str:
+def _steps_equal(ref: list[float], ours: list[float]) -> tuple[bool, float]:
+    """Whether two per-step series are equal bit for bit, and their largest difference."""
+    if len(ref) != len(ours) or not ref:
+        return False, float("nan")
+    diff = max(abs(a - b) for a, b in zip(ref, ours, strict=True))
+    return all(a == b for a, b in zip(ref, ours, strict=True)), diff
+
+
+def _placements_after(record: dict[str, Any]) -> list[dict[str, int]]:
+    return [call.get("params_after", {}) for call in record.get("fully_shard", [])]
+
+
+def _verdict(ref: dict[str, Any], ours: dict[str, Any]) -> str:
+    """One line: ours against torch's in one configuration."""
     if ref.get("error"):
         return f"torch's run failed: {ref['error']}"
     if ours.get("error"):
         return f"ours raised: {ours['error']}"
-    a, b = ref["losses"], ours["losses"]
-    if len(a) != len(b) or not a:
-        return f"different step counts: {len(a)} vs {len(b)}"
-    diff = max(abs(x - y) for x, y in zip(a, b, strict=True))
-    equal = all(x == y for x, y in zip(a, b, strict=True))
-    return f"{'equal bit for bit' if equal else 'NOT equal'}, max |diff| {diff:.3g}"
+    loss_equal, loss_diff = _steps_equal(ref["losses"], ours["losses"])
+    norm_equal, norm_diff = _steps_equal(ref["grad_norms"], ours["grad_norms"])
+    text = (
+        f"losses {'equal bit for bit' if loss_equal else 'NOT equal'} "
+        f"(max |diff| {loss_diff:.3g}), grad norms "
+        f"{'equal' if norm_equal else 'NOT equal'} (max |diff| {norm_diff:.3g})"
+    )
+    if _placements_after(ref) != _placements_after(ours):
+        text += ", parameter placements after fully_shard DIFFER"
+    return text
 
 
-def _print_calls(calls: list[dict[str, Any]]) -> None:
-    """Distinct fully_shard calls, with how often each was made."""
+def _print_steps(by_impl: dict[str, dict[str, Any]]) -> None:
+    """Per step: each implementation's loss and whether they are equal."""
+    ok = {impl: r for impl, r in by_impl.items() if not r.get("error")}
+    for impl, r in by_impl.items():
+        if r.get("error"):
+            print(f"  {impl}: ERROR {r['error']}")
+    if not ok:
+        return
+    steps = max(len(r["losses"]) for r in ok.values())
+    header = "".join(f"{impl + ' loss':>22}" for impl in ok)
+    if len(ok) == 2:
+        header += f"{'equal':>7}{'|diff|':>11}"
+    print(f"  step{header}   grad norms")
+    for i in range(steps):
+        losses = [r["losses"][i] if i < len(r["losses"]) else None for r in ok.values()]
+        norms = [r["grad_norms"][i] if i < len(r["grad_norms"]) else None for r in ok.values()]
+        cells = "".join(f"{x!r:>22}" for x in losses)
+        tail = ""
+        if len(ok) == 2 and None not in losses:
+            a, b = losses
+            tail = f"{'yes' if a == b else 'NO':>7}{abs(a - b):>11.3g}"  # type: ignore[operator]
+        print(f"  {i + 1:>4}{cells}{tail}   {' '.join(repr(n) for n in norms)}")
+
+
+def _print_calls(record: dict[str, Any]) -> None:
+    """Distinct fully_shard calls of one run, with how often each was made."""
     seen: dict[str, int] = {}
-    for call in calls:
+    for call in record.get("fully_shard", []):
         key = json.dumps(call, sort_keys=True)
         seen[key] = seen.get(key, 0) + 1
     for key, count in seen.items():
         call = json.loads(key)
         mesh = call["mesh"]
-        mesh_text = (
-            "None"
-            if mesh is None
-            else ", ".join(f"{n}={s}" for n, s in zip(mesh["names"], mesh["shape"], strict=False))
-        )
-        print(f"    {count} x fully_shard({'+'.join(call['modules'])}, mesh({mesh_text}))")
+        dims = zip(mesh["names"], mesh["shape"], strict=False) if mesh else ()
+        mesh_text = ", ".join(f"{n}={s}" for n, s in dims)
+        print(f"    {count} x fully_shard([{', '.join(call['modules'])}], mesh=({mesh_text}))")
         for k, v in call["kwargs"].items():
             print(f"        {k} = {v}")
+        if not call["params_before"]:
+            print("        (no parameters of its own)")
         for when in ("params_before", "params_after"):
-            for desc, n in call.get(when, {}).items():
-                print(f"        {when[7:]:6}: {n} x {desc}")
+            for desc, names in call.get(when, {}).items():
+                print(f"        {when[7:]:6}: {len(names)} x {desc}: {', '.join(names)}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tree", type=Path, default=ROOT, help="the repository whose packages/*/src are ours")
-    parser.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(CONFIGS))
-    parser.add_argument("--impls", nargs="*", default=list(IMPLS), choices=list(IMPLS))
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument(
+        "--tree", type=Path, default=ROOT, help="repository whose packages/*/src are 'ours'"
+    )
+    parser.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, choices=list(CONFIGS))
+    parser.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
+    parser.add_argument("--steps", type=int, default=3, help="training steps per run")
     parser.add_argument("--timeout", type=float, default=300, help="seconds per training run")
-    parser.add_argument("--keep", action="store_true", help="keep the work folder (logs)")
+    parser.add_argument("--keep", action="store_true", help="keep the work folder (rank logs)")
     parser.add_argument("--rank-process", choices=IMPLS, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("titan_args", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    tree = args.tree.resolve()
     if args.rank_process:
-        raise SystemExit(_rank_main(args.rank_process, args.tree, args.out, args.titan_args))
+        raise SystemExit(_rank_main(args.rank_process, tree, args.out, args.titan_args))
+    if not (tree / "packages" / "fsdp" / "src" / "fsdp").is_dir():
+        raise SystemExit(f"--tree {tree} has no packages/fsdp/src/fsdp: pass a repository root")
 
     work = Path(tempfile.mkdtemp(prefix="torchtitan_check_"))
     try:
@@ -408,29 +511,39 @@ def main() -> None:
             ranks, extra = CONFIGS[name]
             results[name] = {}
             for impl in args.impls:
-                titan_args = _titan_args(work / "assets", work / name / impl / "dump", args.steps, extra)
-                r = _run_config(impl, ranks, titan_args, args.tree.resolve(), work / name / impl, args.timeout)
+                run_dir = work / name / impl
+                titan_args = _titan_args(work, run_dir / "dump", args.steps, extra)
+                start = time.monotonic()
+                r = _run_config(
+                    impl, ranks, titan_args, tree=tree, work=run_dir, timeout=args.timeout
+                )
                 results[name][impl] = r
-                status = r.get("error") or " ".join(repr(x) for x in r["losses"])
-                print(f"{name} {impl}: {status}", flush=True)
-        print(f"\nours from {args.tree.resolve()}; {args.steps} steps per run")
+                status = r.get("error") or f"{len(r['losses'])} steps"
+                print(f"[{name} {impl}: {status}, {time.monotonic() - start:.0f} s]", flush=True)
+
+        print(f"\nours: {tree}; torchtitan llama3_debugmodel, {args.steps} steps per run")
         for name, by_impl in results.items():
             ranks, extra = CONFIGS[name]
-            print(f"\n== {name} ({ranks} ranks, {' '.join(extra) or 'default spmd backend'})")
+            print(f"\n== {name}: {ranks} ranks, {' '.join(extra)}")
             for impl, r in by_impl.items():
-                if r.get("error"):
-                    print(f"  {impl:5}: ERROR {r['error']}")
-                else:
-                    for step, (loss, norm) in enumerate(zip(r["losses"], r["grad_norms"], strict=True), 1):
-                        print(f"  {impl:5} step {step}: loss {loss!r} grad_norm {norm!r}")
-            if set(IMPLS) <= set(by_impl):
-                print(f"  => {_compare(by_impl['torch'], by_impl['ours'])}")
+                if "fully_shard_impl" in r:
+                    print(f"  {impl}: {r['fully_shard_impl']}")
+            _print_steps(by_impl)
             if "torch" in by_impl and by_impl["torch"].get("fully_shard"):
-                print("  torch's run, fully_shard calls (rank 0):")
-                _print_calls(by_impl["torch"]["fully_shard"])
+                print("  fully_shard calls in torch's run (rank 0; before/after: its parameters):")
+                _print_calls(by_impl["torch"])
+
+        print("\n== summary (ours against torch's)")
+        width = max(len(name) for name in results)
+        for name, by_impl in results.items():
+            if set(IMPLS) <= set(by_impl):
+                print(f"  {name:{width}}  {_verdict(by_impl['torch'], by_impl['ours'])}")
+            else:
+                for impl, r in by_impl.items():
+                    print(f"  {name:{width}}  {impl}: {r.get('error') or 'ran'}")
     finally:
         if args.keep:
-            print(f"work folder: {work}")
+            print(f"\nwork folder (rank logs): {work}")
         else:
             shutil.rmtree(work, ignore_errors=True)
 
