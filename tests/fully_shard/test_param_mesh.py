@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tests.fully_shard._dtensor_parity import differences, full, layout, state_dict_differences
 from tests.ranks import run_ranks
 
 STEPS = 3
@@ -134,51 +135,20 @@ def _build(impl: str, case: tuple[int, bool, bool, bool]) -> nn.Module:
     return model
 
 
-def _full(t: Any) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().float().clone()
-
-
-def _layout(p: Any) -> tuple[Any, ...]:
-    mesh = p.device_mesh
-    return mesh.mesh.tolist(), mesh.mesh_dim_names, str(p.placements), tuple(p.to_local().shape)
-
-
 def _train(model: nn.Module) -> dict[str, list[Any]]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     record: dict[str, list[Any]] = {"loss": [], "grads": [], "params": []}
-    record["layout"] = [{n: _layout(p) for n, p in model.named_parameters()}]
+    record["layout"] = [{n: layout(p) for n, p in model.named_parameters()}]
     g = torch.Generator().manual_seed(100 + dist.get_rank())
     for _ in range(STEPS):
         loss = model(torch.randn(4, DIM, generator=g)).pow(2).sum()
         loss.backward()
         record["loss"].append(loss.item())
-        record["grads"].append({n: _full(p.grad) for n, p in model.named_parameters()})
+        record["grads"].append({n: full(p.grad) for n, p in model.named_parameters()})
         opt.step()
         opt.zero_grad()
-        record["params"].append({n: _full(p) for n, p in model.named_parameters()})
+        record["params"].append({n: full(p) for n, p in model.named_parameters()})
     return record
-
-
-def _differences(ref: dict[str, list[Any]], ours: dict[str, list[Any]], tol: float) -> list[str]:
-    out = []
-    if ref["layout"] != ours["layout"]:
-        out.append(f"layouts: torch {ref['layout']} ours {ours['layout']}")
-    worst = max(
-        abs(a - b) / max(1.0, abs(a)) for a, b in zip(ref["loss"], ours["loss"], strict=True)
-    )
-    if worst > tol or (tol == 0 and ref["loss"] != ours["loss"]):
-        out.append(f"losses: torch {ref['loss']} ours {ours['loss']}")
-    for key in ("grads", "params"):
-        for step, (a, b) in enumerate(zip(ref[key], ours[key], strict=True)):
-            assert sorted(a) == sorted(b)
-            for name in a:
-                scale = max(1.0, a[name].abs().max().item())
-                diff = (a[name] - b[name]).abs().max().item() / scale
-                if diff > tol or (tol == 0 and not torch.equal(a[name], b[name])):
-                    out.append(f"{key} {name} step {step}: up to {diff:.3g}")
-    return out
 
 
 def _rank(world_size: int) -> dict[str, list[str]]:
@@ -187,14 +157,9 @@ def _rank(world_size: int) -> dict[str, list[str]]:
         torch_model = _build("torch", case)
         ref = _train(torch_model)
         ours = _train(_build("ours", case))
-        out[name] = _differences(ref, ours, TOLERANCE[world_size])
+        out[name] = differences(ref, ours, TOLERANCE[world_size])
         # torch's trained sharded state dict loads into a fresh model of ours as it is.
-        fresh, theirs = _build("ours", case), torch_model.state_dict()
-        fresh.load_state_dict(theirs)
-        for key, value in fresh.state_dict().items():
-            same = value.placements == theirs[key].placements
-            if not (same and torch.equal(_full(value), _full(theirs[key]))):
-                out[name].append(f"{key} differs after loading torch's state dict")
+        out[name] += state_dict_differences(_build("ours", case), torch_model)
     return out
 
 
@@ -206,8 +171,8 @@ def test_expert_parallel_trains_equal_to_torchs(world_size: int) -> None:
     torch's trained state dict loads into ours."""
     for rank, per_case in enumerate(run_ranks(_rank, world_size, world_size, timeout=240)):
         assert sorted(per_case) == sorted(CASES[world_size])
-        for name, differences in per_case.items():
-            assert not differences, f"rank {rank}, {name}: {differences}"
+        for name, found in per_case.items():
+            assert not found, f"rank {rank}, {name}: {found}"
 
 
 def _bad_rank() -> list[str]:

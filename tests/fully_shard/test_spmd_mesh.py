@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tests.fully_shard._dtensor_parity import differences, full, layout, state_dict_differences
 from tests.ranks import run_ranks
 
 STEPS = 3
@@ -119,53 +120,23 @@ def _build(impl: str, case: tuple[Any, ...]) -> tuple[nn.Module, Any, Any]:
     return model, mesh, _dp_placements(mesh, shard, replicate)
 
 
-def _full(t: Any) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
-
-
-def _layout(p: Any) -> tuple[Any, ...]:
-    mesh = p.device_mesh
-    return mesh.mesh.tolist(), mesh.mesh_dim_names, str(p.placements), tuple(p.to_local().shape)
-
-
 def _train(model: nn.Module, mesh: Any, placements: list[Any]) -> dict[str, list[Any]]:
     from torch.distributed.tensor import distribute_tensor
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     record: dict[str, list[Any]] = {"loss": [], "grads": [], "params": [], "layout": []}
-    record["layout"].append({n: _layout(p) for n, p in model.named_parameters()})
+    record["layout"].append({n: layout(p) for n, p in model.named_parameters()})
     g = torch.Generator().manual_seed(1)
     for _ in range(STEPS):
         x = distribute_tensor(torch.randn(8, IN, generator=g), mesh, placements)
         loss = model(x).pow(2).sum().full_tensor()
         loss.backward()
         record["loss"].append(loss.item())
-        record["grads"].append({n: _full(p.grad) for n, p in model.named_parameters()})
+        record["grads"].append({n: full(p.grad) for n, p in model.named_parameters()})
         opt.step()
         opt.zero_grad()
-        record["params"].append({n: _full(p) for n, p in model.named_parameters()})
+        record["params"].append({n: full(p) for n, p in model.named_parameters()})
     return record
-
-
-def _differences(
-    ref: dict[str, list[Any]], ours: dict[str, list[Any]], tolerance: float
-) -> list[str]:
-    """What differs by more than ``tolerance`` (0: bit for bit)."""
-    out = []
-    if ref["layout"] != ours["layout"]:
-        out.append(f"layouts: torch {ref['layout']} ours {ours['layout']}")
-    losses = torch.tensor(ref["loss"]) - torch.tensor(ours["loss"])
-    if losses.abs().max().item() > tolerance:
-        out.append(f"losses: torch {ref['loss']} ours {ours['loss']}")
-    for key in ("grads", "params"):
-        for step, (a, b) in enumerate(zip(ref[key], ours[key], strict=True)):
-            for name in a:
-                worst = (a[name] - b[name]).abs().max().item()
-                if worst > tolerance or (tolerance == 0 and not torch.equal(a[name], b[name])):
-                    out.append(f"{key} {name} step {step}: up to {worst:.3g}")
-    return out
 
 
 def _parity_rank(world_size: int) -> dict[str, list[str]]:
@@ -175,16 +146,9 @@ def _parity_rank(world_size: int) -> dict[str, list[str]]:
         ref = _train(torch_model, mesh, placements)
         ours_model = _build("ours", case)[0]
         ours = _train(ours_model, mesh, placements)
-        out[name] = _differences(ref, ours, TOLERANCE.get(name, 0.0))
+        out[name] = differences(ref, ours, TOLERANCE.get(name, 0.0))
         # torch's trained sharded state dict loads into a fresh model of ours as it is.
-        fresh = _build("ours", case)[0]
-        theirs = torch_model.state_dict()
-        fresh.load_state_dict(theirs)
-        for key, value in fresh.state_dict().items():
-            if value.placements != theirs[key].placements or not torch.equal(
-                _full(value), _full(theirs[key])
-            ):
-                out[name].append(f"{key} differs after loading torch's state dict")
+        out[name] += state_dict_differences(_build("ours", case)[0], torch_model)
     return out
 
 
@@ -196,8 +160,8 @@ def test_trains_equal_to_torchs(world_size: int) -> None:
     parameters and with CPU offload; torch's trained state dict then loads into ours."""
     for rank, per_case in enumerate(run_ranks(_parity_rank, world_size, world_size, timeout=240)):
         assert sorted(per_case) == sorted(CASES[world_size])
-        for name, differences in per_case.items():
-            assert not differences, f"rank {rank}, {name}: {differences}"
+        for name, found in per_case.items():
+            assert not found, f"rank {rank}, {name}: {found}"
 
 
 # --- what both refuse ------------------------------------------------------------------------
