@@ -39,9 +39,13 @@ class _Experts(nn.Module):
         w1, w2 = self.w1, self.w2
         if isinstance(w1, DTensor):  # this rank's experts (expert parallelism)
             w1, w2 = w1.to_local(), w2.to_local()  # type: ignore[assignment]
-        out = torch.zeros_like(x)
+        spmd = isinstance(x, DTensor)  # full SPMD: the tokens are a DTensor on the dense mesh
+        local = x.to_local() if isinstance(x, DTensor) else x
+        out = torch.zeros_like(local)
         for e in range(w1.shape[0]):
-            out = out + torch.relu(x @ w1[e]) @ w2[e]
+            out = out + torch.relu(local @ w1[e]) @ w2[e]
+        if spmd:
+            return DTensor.from_local(out, x.device_mesh, x.placements)  # type: ignore[attr-defined]
         return out
 
 
@@ -75,7 +79,7 @@ CASES: dict[int, dict[str, tuple[int, bool, bool, bool]]] = {
 # 2 ranks: bit for bit.
 TOLERANCE = {2: 0.0, 4: 1e-6}
 
-_MESHES: dict[int, tuple[Any, Any, Any]] = {}
+_MESHES: dict[Any, tuple[Any, Any, Any]] = {}
 
 
 def _meshes(ep: int) -> tuple[Any, Any, Any]:
@@ -135,13 +139,83 @@ def _build(impl: str, case: tuple[int, bool, bool, bool]) -> nn.Module:
     return model
 
 
-def _train(model: nn.Module) -> dict[str, list[Any]]:
+# Full SPMD (torchtitan's full_dtensor with expert parallelism): every parameter a DTensor,
+# the dense ones on a (dp_shard,) mesh, the experts on (efsdp, ep); the experts' mesh info
+# made by torch's _get_mesh_info(sparse, DataParallelMeshDims(shard="efsdp")), as torchtitan.
+SPMD_CASES: dict[int, dict[str, bool]] = {  # name -> reshard_after_forward
+    2: {"spmd_ep2_edp1": True},
+    4: {"spmd_ep2_edp2": True, "spmd_ep2_edp2_keep": False},
+}
+
+
+def _build_spmd(impl: str, reshard: bool) -> nn.Module:
+    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+    from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    if impl == "torch":
+        import torch.distributed.fsdp as api
+    else:
+        import fsdp as api  # type: ignore[no-redef]
+    dense, sparse = _spmd_meshes()
+    torch.manual_seed(0)
+    model = nn.Sequential(_Block(), _Block())
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            expert = isinstance(module, _Experts)
+            mesh, placements = (
+                (sparse, [Replicate(), Shard(0)]) if expert else (dense, [Replicate()])
+            )
+            setattr(module, name, nn.Parameter(distribute_tensor(p.detach(), mesh, placements)))
+    dims = api.DataParallelMeshDims(shard="dp_shard")
+    edp_info = _get_mesh_info(sparse, api.DataParallelMeshDims(shard="efsdp"))
+    for block in model:
+        experts = set(block.experts.parameters())
+
+        def fn(p: nn.Parameter, experts: Any = experts) -> Any:
+            return ShardPlacementResult(Shard(0), edp_info) if p in experts else None
+
+        api.fully_shard(
+            block,
+            mesh=dense,
+            dp_mesh_dims=dims,
+            reshard_after_forward=reshard,
+            shard_placement_fn=fn,
+        )
+    api.fully_shard(model, mesh=dense, dp_mesh_dims=dims)
+    return model
+
+
+def _spmd_meshes() -> tuple[Any, Any]:
+    """(dense (dp_shard,) mesh over every rank, sparse (efsdp, ep) mesh), made once."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if "spmd" not in _MESHES:
+        sparse = init_device_mesh(
+            "cpu", (dist.get_world_size() // 2, 2), mesh_dim_names=("efsdp", "ep")
+        )
+        _MESHES["spmd"] = (sparse["efsdp", "ep"]._flatten("dp_shard"), sparse, None)
+    dense, sparse, _ = _MESHES["spmd"]
+    return dense, sparse
+
+
+def _train(model: nn.Module, dense: Any = None) -> dict[str, list[Any]]:
+    """Losses, full gradients and parameters of each step; with ``dense`` (full SPMD) the
+    batch is a DTensor sharded over it."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     record: dict[str, list[Any]] = {"loss": [], "grads": [], "params": []}
     record["layout"] = [{n: layout(p) for n, p in model.named_parameters()}]
-    g = torch.Generator().manual_seed(100 + dist.get_rank())
+    g = torch.Generator().manual_seed(100 + (0 if dense is not None else dist.get_rank()))
     for _ in range(STEPS):
-        loss = model(torch.randn(4, DIM, generator=g)).pow(2).sum()
+        if dense is None:
+            loss = model(torch.randn(4, DIM, generator=g)).pow(2).sum()
+        else:
+            x = distribute_tensor(
+                torch.randn(4 * dense.size(), DIM, generator=g), dense, [Shard(0)]
+            )
+            loss = model(x).pow(2).sum().full_tensor()
         loss.backward()
         record["loss"].append(loss.item())
         record["grads"].append({n: full(p.grad) for n, p in model.named_parameters()})
@@ -160,6 +234,13 @@ def _rank(world_size: int) -> dict[str, list[str]]:
         out[name] = differences(ref, ours, TOLERANCE[world_size])
         # torch's trained sharded state dict loads into a fresh model of ours as it is.
         out[name] += state_dict_differences(_build("ours", case), torch_model)
+    for name, reshard in SPMD_CASES[world_size].items():
+        dense = _spmd_meshes()[0]
+        torch_model = _build_spmd("torch", reshard)
+        ref = _train(torch_model, dense)
+        ours = _train(_build_spmd("ours", reshard), dense)
+        out[name] = differences(ref, ours, TOLERANCE[world_size])
+        out[name] += state_dict_differences(_build_spmd("ours", reshard), torch_model)
     return out
 
 
@@ -167,10 +248,11 @@ def _rank(world_size: int) -> dict[str, list[str]]:
 def test_expert_parallel_trains_equal_to_torchs(world_size: int) -> None:
     """Experts on their own (edp) mesh, the rest over dp, in one group per block: layouts,
     losses, gradients and parameters equal torch's (bit for bit at 2 ranks), resharded after
-    forward or not, bf16 parameters, the mesh given as torch's FSDPMeshInfo or a DeviceMesh;
-    torch's trained state dict loads into ours."""
+    forward or not, bf16 parameters, the mesh given as torch's FSDPMeshInfo or a DeviceMesh,
+    and on full SPMD meshes (torchtitan's full_dtensor: experts on (efsdp, ep), the rest on
+    (dp_shard,)); torch's trained state dict loads into ours."""
     for rank, per_case in enumerate(run_ranks(_rank, world_size, world_size, timeout=240)):
-        assert sorted(per_case) == sorted(CASES[world_size])
+        assert sorted(per_case) == sorted([*CASES[world_size], *SPMD_CASES[world_size]])
         for name, found in per_case.items():
             assert not found, f"rank {rank}, {name}: {found}"
 

@@ -36,7 +36,7 @@ from fsdp._fully_shard._policies import (
     to_mp_policy,
     to_offload_policy,
 )
-from fsdp._fully_shard._spmd import SpmdMesh, spmd_mesh
+from fsdp._fully_shard._spmd import spmd_mesh
 from fsdp._fully_shard._state import ORPHAN, FullyShardState, state_of
 from fsdp._fully_shard._tensor_parallel import check_dtensor_param
 from fsdp._runtime._host_memory import release_freed_host_memory
@@ -168,11 +168,8 @@ def fully_shard(
     group = None
     if params:
         sites = _sites(modules, params)
-        resolver = PlacementResolver(shard_placement_fn, info)
-        sharded = [
-            _sharded_param(site, p, resolver, spmd=spmd)
-            for site, p in zip(sites, params, strict=True)
-        ]
+        resolver = PlacementResolver(shard_placement_fn, info, spmd)
+        sharded = [_sharded_param(site, p, resolver) for site, p in zip(sites, params, strict=True)]
         group = ParamGroup(
             modules,
             sharded,
@@ -413,21 +410,13 @@ def _sharded_param(
     site: ParamSite,
     param: nn.Parameter,
     resolver: PlacementResolver,
-    *,
-    spmd: SpmdMesh | None,
 ) -> ShardedParam:
     """The sharded form of ``param``: a plain parameter is cut over dp as it is, a
     ``DTensor`` one by its tp-local tensor ([Note: fully_shard over tensor parallelism],
     [Note: full-SPMD meshes]), over its own mesh if ``shard_placement_fn`` gives one
     ([Note: parameters on their own mesh])."""
-    requested, info = resolver.resolve(site.name, param)
+    requested, info, spmd = resolver.resolve(site.name, param)
     if spmd is not None:
-        if info is not resolver.info:
-            raise NotImplementedError(
-                f"shard_placement_fn returned a mesh of its own for {site.name!r} together "
-                "with dp_mesh_dims: not supported by this implementation; return a Shard(dim) "
-                "(or None) for parameters on the full SPMD mesh"
-            )
         spmd.check_param(site.name, param)
         assert isinstance(param, DTensor)
         spec = spmd.spec(param)

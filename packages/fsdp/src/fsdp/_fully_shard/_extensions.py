@@ -47,14 +47,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from flatparam import ChunkLayout
-from fsdp._fully_shard._mesh import MeshInfo
+from fsdp._fully_shard._mesh import MeshInfo, where
 from fsdp._fully_shard._param import ShardedParam, local_object, set_local_tensor
 from fsdp._runtime._agreement import check_agree
 from fsdp._runtime._collectives import PendingCollective, all_gather_into
@@ -73,7 +72,7 @@ def has_extension(t: Tensor) -> bool:
         raise AssertionError(
             f"Both {PRE} and {POST} should be defined if using all-gather extensions: "
             f"{type(t).__name__} of shape {tuple(t.shape)} has only "
-            f"{PRE if pre else POST} ({_where()}); define the other one too (or neither)"
+            f"{PRE if pre else POST} ({where()}); define the other one too (or neither)"
         )
     return pre
 
@@ -268,7 +267,7 @@ class ExtensionGather:
     def _agree(self, per_param: list[list[Tensor]], refused: dict[str, str]) -> None:
         fingerprint = {
             # A refusal's text names this rank; the same refusal on every rank must agree.
-            f"all-gather inputs of {p.fqn}": refused.get(p.fqn, "").replace(_where(), "that rank")
+            f"all-gather inputs of {p.fqn}": refused.get(p.fqn, "").replace(where(), "that rank")
             or str([(tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in ts])
             for p, ts in zip(self.params, per_param, strict=True)
         }
@@ -293,7 +292,7 @@ class ExtensionGather:
                 f"fsdp_pre_all_gather returned inputs of other sizes or dtypes than at the "
                 f"first gather ({[(o.numel() // ws, o.dtype) for o in st.outputs]} per rank "
                 f"then, {[(n // ws, d) for n, d in wanted]} now): the gathered outputs are "
-                f"kept and reused, so return the same shapes and dtypes every time ({_where()})"
+                f"kept and reused, so return the same shapes and dtypes every time ({where()})"
             )
 
     def _inputs(self, i: int, p: ShardedParam) -> list[Tensor]:
@@ -321,7 +320,7 @@ class ExtensionGather:
                 "Expects fsdp_pre_all_gather(self, mesh: DeviceMesh, outer_size: torch.Size, "
                 "outer_stride: tuple[int, ...], module: nn.Module, mp_policy: "
                 f"MixedPrecisionPolicy) (or the older (self, mesh)); {p.fqn}'s "
-                f"{type(local).__name__} takes {n_args} arguments after self ({_where()})"
+                f"{type(local).__name__} takes {n_args} arguments after self ({where()})"
             )
         if isinstance(inputs, Tensor):
             inputs = (inputs,)
@@ -414,10 +413,6 @@ def _flat(t: Tensor, dtype: torch.dtype) -> Tensor:
     """``t`` as a 1-D tensor of ``dtype`` (its bytes when ``dtype`` is uint8 and it is not)."""
     flat = t.reshape(-1)
     return flat if flat.dtype == dtype else flat.view(dtype)
-
-
-def _where() -> str:
-    return f"rank {dist.get_rank()}" if dist.is_initialized() else "this process"
 
 
 def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:

@@ -26,6 +26,7 @@ __all__ = [
     "mesh_device",
     "mesh_info",
     "post_forward_info",
+    "where",
 ]
 
 
@@ -58,6 +59,11 @@ class MeshInfo:
         """A sharded parameter's placements on :attr:`mesh` (``shard``: its dp cut, a
         ``Shard`` or, under tensor parallelism, a ``_StridedShard``)."""
         return (shard,) if self.mesh.ndim == 1 else (Replicate(), shard)
+
+
+def where() -> str:
+    """This process's rank, for messages ("rank 3"; "this process" before init)."""
+    return f"rank {dist.get_rank()}" if dist.is_initialized() else "this process"
 
 
 def default_mesh() -> DeviceMesh:
