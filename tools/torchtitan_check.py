@@ -30,9 +30,26 @@ reports the first line of its error. Configurations (``--configs``):
   mesh before ``fully_shard(..., dp_mesh_dims=DataParallelMeshDims(shard="dp_shard"))``.
 - ``dtensor-fsdp2xtp2``: 4 ranks, ``full_dtensor``, dp_shard 2 x tp 2.
 - ``dtensor-hsdp2x2``: 4 ranks, ``full_dtensor``, dp_replicate 2 x dp_shard 2.
+- ``moe-fsdp-2`` (only when named): torchtitan's Qwen3 MoE debug model (``--module qwen3
+  --config qwen3_moe_debug``: 8 layers, dim 256, 64 experts, top 8) on 2 ranks,
+  ``partial_dtensor``, plain FSDP (experts ``Shard(0)`` on the ``fsdp`` mesh).
+- ``moe-ep2-4`` (only when named): the same model on 4 ranks with
+  ``--parallelism.expert_parallel_degree 2 --training.disable_cuda_graphs``: each
+  block's ``shard_placement_fn`` answers ``ShardPlacementResult``s, the experts' on the
+  ``efsdp`` mesh (experts are DTensors on ``ep`` before), the others' on ``fsdp``.
+  4-rank reductions need not sum in gloo's order: read the max difference.
+- ``dtensor-moe-ep2-4`` (only when named): the same under ``full_dtensor``.
 - ``spmd-types-2`` (only when named): torchtitan 0.3.0's default backend, which passes
   plain parameters with spmd_types annotations and ``dp_mesh_dims``; torch 2.13's
   ``fully_shard`` rejects them.
+
+``--cross-load`` checks torchtitan's own checkpointing (``--checkpoint.enable``, a full
+training state every ``--save-step`` steps, DCP) across implementations: each
+configuration runs four times, torch's and ours uninterrupted for ``--steps`` steps
+(saving at the save step), then ours resumed from torch's checkpoint and torch's
+resumed from ours for the remaining steps; the summary compares each resumed run's
+losses and grad norms with both uninterrupted runs, e.g.
+``--configs dtensor-fsdp-2 --steps 4 --cross-load``.
 
 Under ``full_dtensor`` the loss torchtitan logs is the data-parallel degree times the
 mean (its own reporting; the grad norms match the plain run's), the same for both.
@@ -44,8 +61,9 @@ Run-time patches, applied in the rank processes (site-packages is not edited):
   ``set_pg_timeouts`` (a barrier on a CUDA device) is skipped;
 - ``torchtitan.tools.utils.device_type`` is ``"cpu"`` and its ``device_module`` answers
   torch.cuda's memory, name and synchronize calls (torchtitan falls back to CUDA);
-- the debug model's attention is causal SDPA instead of FlexAttention, which compiles
-  with inductor (a C++ toolchain and minutes on a CPU); the model is otherwise the same;
+- the debug models' attention (llama3's and qwen3's) is causal SDPA instead of
+  FlexAttention, which compiles with inductor (a C++ toolchain and minutes on a CPU);
+  the models are otherwise the same;
 - torchtitan sets a gradient divide factor of 1.0, which torch's ``fully_shard`` turns
   into ``ReduceOp.PREMUL_SUM(1.0)``, which gloo lacks: every FSDP module also gets
   ``set_force_sum_reduction_for_comms(True)`` (the same sum; ours accepts the call);
