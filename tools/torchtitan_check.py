@@ -367,6 +367,10 @@ def _rank_main(impl: str, tree: Path, out: Path, titan_args: list[str]) -> int:
             fsdp.torch_compat.install()
             results["fsdp_file"] = fsdp.__file__
         _spy_fully_shard(results)
+        from torch.distributed.checkpoint import state_dict as dcp_state_dict
+
+        get = dcp_state_dict.get_model_state_dict
+        results["state_dict_impl"] = f"{get.__module__}.{get.__qualname__}"
         _patch_for_cpu(results)
         import torchtitan.train
 
@@ -446,7 +450,73 @@ def _checkpoint_args(folder: Path, interval: int) -> list[str]:
         "--checkpoint.folder", str(folder),
         "--checkpoint.interval", str(interval),
         "--checkpoint.keep_latest_k", "0",
+        # the last step's save: the model alone (the MoE model's full state is 3.6 GB)
+        "--checkpoint.last_save_model_only",
     ]  # fmt: skip
+
+
+def _compare_checkpoints(ref: Path, ours: Path) -> str:
+    """Two DCP checkpoints' entries: the same keys, shapes and dtypes, and equal values.
+
+    Read here (``no_dist``), a few hundred MB of tensors at a time; the pickled entries
+    (optimizer hyperparameters, the dataloader's and the scheduler's state) by ``==``.
+    """
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    metas = [dcp.FileSystemReader(str(f)).read_metadata().state_dict_metadata for f in (ref, ours)]
+    if metas[0].keys() != metas[1].keys():
+        only = sorted(metas[0].keys() ^ metas[1].keys())
+        return f"keys differ ({len(only)}: {', '.join(only[:4])} ...)"
+    tensors = [k for k, m in metas[0].items() if isinstance(m, TensorStorageMetadata)]
+    others = [k for k in metas[0] if k not in set(tensors)]
+    chunks: list[list[str]] = [others]
+    size = 0
+    for key in tensors:
+        meta = metas[0][key]
+        assert isinstance(meta, TensorStorageMetadata)
+        nbytes = meta.size.numel() * meta.properties.dtype.itemsize
+        if size + nbytes > 1 << 29 or len(chunks) == 1:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(key)
+        size += nbytes
+    unequal: list[str] = []
+    worst = 0.0
+    for keys in chunks:
+        loaded = []
+        for index, folder in enumerate((ref, ours)):
+            out: dict[str, Any] = {}
+            for key in keys:
+                meta = metas[index][key]
+                if isinstance(meta, TensorStorageMetadata):
+                    out[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
+                else:
+                    out[key] = None
+            if any(isinstance(metas[1 - index][k], TensorStorageMetadata) != (
+                    isinstance(metas[index][k], TensorStorageMetadata)) for k in keys):  # fmt: skip
+                return "an entry is a tensor in one checkpoint and not in the other"
+            dcp.load(out, storage_reader=dcp.FileSystemReader(str(folder)), no_dist=True)
+            loaded.append(out)
+        for key in keys:
+            a, b = loaded[0][key], loaded[1][key]
+            if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+                if a.shape != b.shape or a.dtype != b.dtype:
+                    unequal.append(f"{key} ({list(a.shape)} {a.dtype} vs {list(b.shape)})")
+                elif not torch.equal(a, b):
+                    unequal.append(key)
+                    worst = max(worst, (a.double() - b.double()).abs().max().item())
+            elif a != b:
+                unequal.append(f"{key} ({repr(a)[:40]} vs {repr(b)[:40]})")
+    if unequal:
+        return f"{len(unequal)} of {len(metas[0])} entries differ (max |diff| {worst:.3g}): " + (
+            ", ".join(unequal[:3])
+        )
+    return f"same {len(metas[0])} entries ({len(tensors)} tensors), all equal bit for bit"
 
 
 def _run_config(
@@ -617,7 +687,8 @@ def _cross_load_runs(
             if not (saved / ".metadata").is_file():
                 runs[label] = {"error": f"{source}'s run left no checkpoint at step {save}"}
                 continue
-            shutil.copytree(saved, folder / f"step-{save}")
+            folder.mkdir(parents=True)
+            (folder / f"step-{save}").symlink_to(saved)
         titan_args = _titan_args(
             work, run_dir / "dump", args.steps, config, _checkpoint_args(folder, save)
         )
@@ -628,6 +699,10 @@ def _cross_load_runs(
         if source is not None:
             r["first_step"] = save + 1
         runs[label] = r
+        if label == "ours" and not runs["torch"].get("error") and not r.get("error"):
+            saved = [work / name / impl / "checkpoint" / f"step-{save}" for impl in IMPLS]
+            if all((f / ".metadata").is_file() for f in saved):
+                r["checkpoint_vs_torch"] = _compare_checkpoints(*saved)
         status = r.get("error") or f"{len(r.get('losses', []))} steps"
         print(f"[{name} {label}: {status}, {time.monotonic() - start:.0f} s]", flush=True)
     return runs
@@ -689,7 +764,7 @@ def main() -> None:
                   f"{' '.join(config.args)}")  # fmt: skip
             for impl, r in by_impl.items():
                 if "fully_shard_impl" in r:
-                    print(f"  {impl}: {r['fully_shard_impl']}")
+                    print(f"  {impl}: {r['fully_shard_impl']}, {r['state_dict_impl']}")
             _print_steps(by_impl)
             if "torch" in by_impl and by_impl["torch"].get("fully_shard"):
                 print("  fully_shard calls in torch's run (rank 0; before/after: its parameters):")
@@ -703,6 +778,9 @@ def main() -> None:
             else:
                 for impl, r in by_impl.items():
                     print(f"  {name:{width}}  {impl}: {r.get('error') or 'ran'}")
+            if "checkpoint_vs_torch" in by_impl.get("ours", {}):
+                print(f"  {name:{width}}  checkpoints at step {args.save_step or args.steps // 2}"
+                      f", ours vs torch's: {by_impl['ours']['checkpoint_vs_torch']}")  # fmt: skip
             for resumed, full in (("ours<-torch", "torch"), ("torch<-ours", "ours")):
                 for other in (full, resumed[: resumed.index("<")]):
                     if resumed in by_impl and other in by_impl:
