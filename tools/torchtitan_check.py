@@ -517,8 +517,16 @@ def _compare_checkpoints(ref: Path, ours: Path) -> str:
             elif a != b:
                 unequal.append(f"{key} ({repr(a)[:40]} vs {repr(b)[:40]})")
     if unequal:
-        return f"{len(unequal)} of {len(metas[0])} entries differ (max |diff| {worst:.3g}): " + (
-            ", ".join(unequal[:3])
+        # grouped by what they are: "optimizer.state.layers.3.attention.wo.weight.exp_avg"
+        # counts under "optimizer.state.*.attention.wo.weight.exp_avg"
+        groups: dict[str, int] = {}
+        for key in unequal:
+            parts = key.split(" ")[0].split(".")
+            kind = ".".join("*" if part.isdigit() else part for part in parts)
+            groups[kind] = groups.get(kind, 0) + 1
+        listing = ", ".join(f"{n} x {kind}" for kind, n in sorted(groups.items()))
+        return (
+            f"{len(unequal)} of {len(metas[0])} entries differ (max |diff| {worst:.3g}): {listing}"
         )
     return f"same {len(metas[0])} entries ({len(tensors)} tensors), all equal bit for bit"
 
