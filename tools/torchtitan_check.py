@@ -37,8 +37,12 @@ reports the first line of its error. Configurations (``--configs``):
   ``--parallelism.expert_parallel_degree 2 --training.disable_cuda_graphs``: each
   block's ``shard_placement_fn`` answers ``ShardPlacementResult``s, the experts' on the
   ``efsdp`` mesh (experts are DTensors on ``ep`` before), the others' on ``fsdp``.
-  4-rank reductions need not sum in gloo's order: read the max difference.
-- ``dtensor-moe-ep2-4`` (only when named): the same under ``full_dtensor``.
+  4-rank reductions need not sum in gloo's order: read the max difference (ours sums
+  in rank order; gloo's reduce-scatter in another, shard by shard, so a few elements of
+  the 4-way reduced dense parameters differ by an ulp, which the logged losses and
+  grad norms of 4 steps do not show but ``--cross-load``'s checkpoint comparison does).
+- ``dtensor-moe-ep2-4`` (only when named): the same under ``full_dtensor``; ours raises
+  ``NotImplementedError`` (a ``ShardPlacementResult`` mesh together with ``dp_mesh_dims``).
 - ``spmd-types-2`` (only when named): torchtitan 0.3.0's default backend, which passes
   plain parameters with spmd_types annotations and ``dp_mesh_dims``; torch 2.13's
   ``fully_shard`` rejects them.
