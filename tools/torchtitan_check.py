@@ -30,9 +30,33 @@ reports the first line of its error. Configurations (``--configs``):
   mesh before ``fully_shard(..., dp_mesh_dims=DataParallelMeshDims(shard="dp_shard"))``.
 - ``dtensor-fsdp2xtp2``: 4 ranks, ``full_dtensor``, dp_shard 2 x tp 2.
 - ``dtensor-hsdp2x2``: 4 ranks, ``full_dtensor``, dp_replicate 2 x dp_shard 2.
+- ``moe-fsdp-2`` (only when named): torchtitan's Qwen3 MoE debug model (``--module qwen3
+  --config qwen3_moe_debug``: 8 layers, dim 256, 64 experts, top 8) on 2 ranks,
+  ``partial_dtensor``, plain FSDP (experts ``Shard(0)`` on the ``fsdp`` mesh).
+- ``moe-ep2-4`` (only when named): the same model on 4 ranks with
+  ``--parallelism.expert_parallel_degree 2 --training.disable_cuda_graphs``: each
+  block's ``shard_placement_fn`` answers ``ShardPlacementResult``s, the experts' on the
+  ``efsdp`` mesh (experts are DTensors on ``ep`` before), the others' on ``fsdp``.
+  4-rank reductions need not sum in gloo's order: read the max difference (ours sums
+  in rank order; gloo's reduce-scatter in another, shard by shard, so a few elements of
+  the 4-way reduced dense parameters differ by an ulp, which the logged losses and
+  grad norms of 4 steps do not show but ``--cross-load``'s checkpoint comparison does).
+- ``dtensor-moe-ep2-4`` (only when named): the same under ``full_dtensor``; ours raises
+  ``NotImplementedError`` (a ``ShardPlacementResult`` mesh together with ``dp_mesh_dims``).
 - ``spmd-types-2`` (only when named): torchtitan 0.3.0's default backend, which passes
   plain parameters with spmd_types annotations and ``dp_mesh_dims``; torch 2.13's
   ``fully_shard`` rejects them.
+
+``--cross-load`` checks torchtitan's own checkpointing (``--checkpoint.enable``, a full
+training state every ``--save-step`` steps, DCP) across implementations: each
+configuration runs four times, torch's and ours uninterrupted for ``--steps`` steps
+(saving at the save step), then ours resumed from torch's checkpoint and torch's
+resumed from ours for the remaining steps; the summary compares each resumed run's
+losses and grad norms with both uninterrupted runs, and the two uninterrupted runs'
+checkpoints at the save step entry by entry (keys, shapes, dtypes, values; the
+pickled entries by ``==``), e.g. ``--configs dtensor-fsdp-2 --steps 4 --cross-load``.
+The last step's save is the model alone. Ours loads and saves through ckpt's
+``get_state_dict`` family, which ``install()`` puts under torch's names.
 
 Under ``full_dtensor`` the loss torchtitan logs is the data-parallel degree times the
 mean (its own reporting; the grad norms match the plain run's), the same for both.
@@ -44,8 +68,9 @@ Run-time patches, applied in the rank processes (site-packages is not edited):
   ``set_pg_timeouts`` (a barrier on a CUDA device) is skipped;
 - ``torchtitan.tools.utils.device_type`` is ``"cpu"`` and its ``device_module`` answers
   torch.cuda's memory, name and synchronize calls (torchtitan falls back to CUDA);
-- the debug model's attention is causal SDPA instead of FlexAttention, which compiles
-  with inductor (a C++ toolchain and minutes on a CPU); the model is otherwise the same;
+- the debug models' attention (llama3's and qwen3's) is causal SDPA instead of
+  FlexAttention, which compiles with inductor (a C++ toolchain and minutes on a CPU);
+  the models are otherwise the same;
 - torchtitan sets a gradient divide factor of 1.0, which torch's ``fully_shard`` turns
   into ``ReduceOp.PREMUL_SUM(1.0)``, which gloo lacks: every FSDP module also gets
   ``set_force_sum_reduction_for_comms(True)`` (the same sum; ours accepts the call);
@@ -53,7 +78,8 @@ Run-time patches, applied in the rank processes (site-packages is not edited):
   a word-level tokenizer and a random-word corpus are written to a temporary folder.
 
 Each training run is a ``torch.distributed.run`` process group killed after
-``--timeout`` seconds; the whole check takes about 3 minutes on 2 busy cores.
+``--timeout`` seconds; the whole check takes about 3 minutes on 2 busy cores, a MoE
+run about a minute, ``--cross-load`` on ``dtensor-fsdp2xtp2`` about 4 minutes.
 """
 
 from __future__ import annotations
@@ -72,17 +98,30 @@ import traceback
 import types
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("flatparam", "zero_optim", "fsdp", "ckpt")
 DTENSOR = ["--parallelism.spmd_backend", "full_dtensor"]
-# name -> (ranks, torchtitan arguments)
-CONFIGS: dict[str, tuple[int, list[str]]] = {
-    "fsdp-2": (2, ["--parallelism.spmd_backend", "partial_dtensor"]),
-    "dtensor-fsdp-2": (2, DTENSOR),
-    "dtensor-fsdp2xtp2": (4, [*DTENSOR, "--parallelism.tensor_parallel_degree", "2"]),
-    "dtensor-hsdp2x2": (
+PARTIAL = ["--parallelism.spmd_backend", "partial_dtensor"]
+LLAMA = ("llama3", "llama3_debugmodel")
+QWEN3_MOE = ("qwen3", "qwen3_moe_debug")
+EP2 = ["--parallelism.expert_parallel_degree", "2", "--training.disable_cuda_graphs"]
+
+
+class Config(NamedTuple):
+    """One configuration: rank count, torchtitan arguments, (module, config) to train."""
+
+    ranks: int
+    args: list[str]
+    model: tuple[str, str] = LLAMA
+
+
+CONFIGS: dict[str, Config] = {
+    "fsdp-2": Config(2, PARTIAL),
+    "dtensor-fsdp-2": Config(2, DTENSOR),
+    "dtensor-fsdp2xtp2": Config(4, [*DTENSOR, "--parallelism.tensor_parallel_degree", "2"]),
+    "dtensor-hsdp2x2": Config(
         4,
         [
             *DTENSOR,
@@ -92,10 +131,15 @@ CONFIGS: dict[str, tuple[int, list[str]]] = {
             "2",
         ],
     ),
+    # Qwen3 MoE debug model (8 layers, 64 experts, top 8): plain FSDP, and expert
+    # parallelism (shard_placement_fn with a mesh per parameter) on 4 ranks
+    "moe-fsdp-2": Config(2, PARTIAL, QWEN3_MOE),
+    "moe-ep2-4": Config(4, [*PARTIAL, *EP2], QWEN3_MOE),
+    "dtensor-moe-ep2-4": Config(4, [*DTENSOR, *EP2], QWEN3_MOE),
 }
 # torchtitan's own default backend: needs fully_shard to read spmd_types annotations
 # on plain tensors, which torch 2.13's does not (not run unless named)
-CONFIGS["spmd-types-2"] = (2, ["--parallelism.spmd_backend", "spmd_types"])
+CONFIGS["spmd-types-2"] = Config(2, ["--parallelism.spmd_backend", "spmd_types"])
 DEFAULT_CONFIGS = ["fsdp-2", "dtensor-fsdp-2", "dtensor-fsdp2xtp2", "dtensor-hsdp2x2"]
 IMPLS = ("torch", "ours")
 PG_TIMEOUT_S = 120  # every process group's timeout, in the rank processes
@@ -161,6 +205,28 @@ def _describe_tensor(t: Any) -> str:
     return f"{type(t).__name__} {str(t.dtype).removeprefix('torch.')}"
 
 
+def _describe_mesh(mesh: Any) -> str:
+    dims = ",".join(f"{n}={s}" for n, s in zip(mesh.mesh_dim_names or (), mesh.shape, strict=False))
+    return f"mesh({dims or 'x'.join(str(s) for s in mesh.shape)})"
+
+
+def _describe_placement(result: Any) -> str:
+    """A ``shard_placement_fn`` answer: a placement, None, or a ShardPlacementResult."""
+    if result is None:
+        return "None (the call's mesh, Shard(0))"
+    if not hasattr(result, "mesh_info"):
+        return repr(result)
+    info = result.mesh_info
+    fields = [_describe_mesh(info.mesh)] if hasattr(info, "mesh") else [repr(info)]
+    for field in ("shard_mesh_dim", "replicate_mesh_dim"):
+        if hasattr(info, field):
+            fields.append(f"{field}={getattr(info, field)}")
+    return (
+        f"{type(result).__name__}(placement={result.placement!r}, "
+        f"mesh_info={type(info).__name__}({', '.join(fields)}))"
+    )
+
+
 def _spy_fully_shard(results: dict[str, Any]) -> None:
     """Wrap ``torch.distributed.fsdp.fully_shard`` (torch's or ours) to record its calls.
 
@@ -193,6 +259,14 @@ def _spy_fully_shard(results: dict[str, Any]) -> None:
             out.setdefault(_describe_tensor(p), []).append(f"{short}({shape})")
         return out
 
+    def placement_fn_results(fn: Any, params: list[tuple[str, Any]]) -> dict[str, list[str]]:
+        """What ``shard_placement_fn`` answers for each parameter, grouped by answer."""
+        out: dict[str, list[str]] = {}
+        for name, p in params:
+            short = name.replace("_checkpoint_wrapped_module.", "")
+            out.setdefault(_describe_placement(fn(p)), []).append(short)
+        return out
+
     def spy(module: Any, *args: Any, **kwargs: Any) -> Any:
         modules = list(module) if isinstance(module, list) else [module]
         mesh = kwargs.get("mesh", args[0] if args else None)
@@ -212,6 +286,9 @@ def _spy_fully_shard(results: dict[str, Any]) -> None:
             },
             "params_before": summary(params),
         }
+        fn = kwargs.get("shard_placement_fn")
+        if fn is not None:
+            record["placement_fn"] = placement_fn_results(fn, params)
         calls.append(record)
         result = inner(module, *args, **kwargs)
         names = {n for n, _ in params}  # fully_shard replaced the parameter objects
@@ -240,6 +317,9 @@ def _patch_for_cpu(results: dict[str, Any]) -> None:
     # FlexAttention compiles a kernel with inductor (a C++ toolchain and minutes on
     # CPU); causal SDPA is the same model without document masking.
     llama3.get_attention_config = lambda backend: ScaledDotProductAttention.Config()
+    from torchtitan.models import qwen3
+
+    qwen3.get_attention_config = lambda backend: ScaledDotProductAttention.Config()
 
     import torchtitan.distributed.utils as dist_utils
 
@@ -295,6 +375,10 @@ def _rank_main(impl: str, tree: Path, out: Path, titan_args: list[str]) -> int:
             fsdp.torch_compat.install()
             results["fsdp_file"] = fsdp.__file__
         _spy_fully_shard(results)
+        from torch.distributed.checkpoint import state_dict as dcp_state_dict
+
+        get = dcp_state_dict.get_model_state_dict
+        results["state_dict_impl"] = f"{get.__module__}.{get.__qualname__}"
         _patch_for_cpu(results)
         import torchtitan.train
 
@@ -341,11 +425,15 @@ def _write_assets(folder: Path) -> None:
             f.write(json.dumps({"text": text}) + "\n")
 
 
-def _titan_args(work: Path, dump: Path, steps: int, extra: list[str]) -> list[str]:
+def _titan_args(
+    work: Path, dump: Path, steps: int, config: Config, checkpoint: list[str] | None = None
+) -> list[str]:
+    """torchtitan's arguments for one run; ``checkpoint`` replaces ``--checkpoint.no-enable``."""
     assets = work / "assets"
+    module, name = config.model
     return [
-        "--module", "llama3",
-        "--config", "llama3_debugmodel",
+        "--module", module,
+        "--config", name,
         "--hf_assets_path", str(assets / "tokenizer"),
         "--dataloader.dataset_path", str(assets / "c4_test"),
         "--dump_folder", str(dump),
@@ -357,10 +445,94 @@ def _titan_args(work: Path, dump: Path, steps: int, extra: list[str]) -> list[st
         "--comm.init_timeout_seconds", str(PG_TIMEOUT_S),
         "--comm.trace_buf_size", "0",
         "--validator.no-enable",
-        "--checkpoint.no-enable",
+        *(checkpoint if checkpoint is not None else ["--checkpoint.no-enable"]),
         "--metrics.no-enable-tensorboard",
-        *extra,
+        *config.args,
     ]  # fmt: skip
+
+
+def _checkpoint_args(folder: Path, interval: int) -> list[str]:
+    """torchtitan's own checkpointing: full training state every ``interval`` steps."""
+    return [
+        "--checkpoint.enable",
+        "--checkpoint.folder", str(folder),
+        "--checkpoint.interval", str(interval),
+        "--checkpoint.keep_latest_k", "0",
+        # the last step's save: the model alone (the MoE model's full state is 3.6 GB)
+        "--checkpoint.last_save_model_only",
+    ]  # fmt: skip
+
+
+def _compare_checkpoints(ref: Path, ours: Path) -> str:
+    """Two DCP checkpoints' entries: the same keys, shapes and dtypes, and equal values.
+
+    Read here (``no_dist``), a few hundred MB of tensors at a time; the pickled entries
+    (optimizer hyperparameters, the dataloader's and the scheduler's state) by ``==``.
+    """
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    metas = [dcp.FileSystemReader(str(f)).read_metadata().state_dict_metadata for f in (ref, ours)]
+    if metas[0].keys() != metas[1].keys():
+        only = sorted(metas[0].keys() ^ metas[1].keys())
+        return f"keys differ ({len(only)}: {', '.join(only[:4])} ...)"
+    tensors = [k for k, m in metas[0].items() if isinstance(m, TensorStorageMetadata)]
+    others = [k for k in metas[0] if k not in set(tensors)]
+    chunks: list[list[str]] = [others]
+    size = 0
+    for key in tensors:
+        meta = metas[0][key]
+        assert isinstance(meta, TensorStorageMetadata)
+        nbytes = meta.size.numel() * meta.properties.dtype.itemsize
+        if size + nbytes > 1 << 29 or len(chunks) == 1:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(key)
+        size += nbytes
+    unequal: list[str] = []
+    worst = 0.0
+    for keys in chunks:
+        loaded = []
+        for index, folder in enumerate((ref, ours)):
+            out: dict[str, Any] = {}
+            for key in keys:
+                meta = metas[index][key]
+                if isinstance(meta, TensorStorageMetadata):
+                    out[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
+                else:
+                    out[key] = None
+            if any(isinstance(metas[1 - index][k], TensorStorageMetadata) != (
+                    isinstance(metas[index][k], TensorStorageMetadata)) for k in keys):  # fmt: skip
+                return "an entry is a tensor in one checkpoint and not in the other"
+            dcp.load(out, storage_reader=dcp.FileSystemReader(str(folder)), no_dist=True)
+            loaded.append(out)
+        for key in keys:
+            a, b = loaded[0][key], loaded[1][key]
+            if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+                if a.shape != b.shape or a.dtype != b.dtype:
+                    unequal.append(f"{key} ({list(a.shape)} {a.dtype} vs {list(b.shape)})")
+                elif not torch.equal(a, b):
+                    unequal.append(key)
+                    worst = max(worst, (a.double() - b.double()).abs().max().item())
+            elif a != b:
+                unequal.append(f"{key} ({repr(a)[:40]} vs {repr(b)[:40]})")
+    if unequal:
+        # grouped by what they are: "optimizer.state.layers.3.attention.wo.weight.exp_avg"
+        # counts under "optimizer.state.*.attention.wo.weight.exp_avg"
+        groups: dict[str, int] = {}
+        for key in unequal:
+            parts = key.split(" ")[0].split(".")
+            kind = ".".join("*" if part.isdigit() else part for part in parts)
+            groups[kind] = groups.get(kind, 0) + 1
+        listing = ", ".join(f"{n} x {kind}" for kind, n in sorted(groups.items()))
+        return (
+            f"{len(unequal)} of {len(metas[0])} entries differ (max |diff| {worst:.3g}): {listing}"
+        )
+    return f"same {len(metas[0])} entries ({len(tensors)} tensors), all equal bit for bit"
 
 
 def _run_config(
@@ -439,27 +611,52 @@ def _verdict(ref: dict[str, Any], ours: dict[str, Any]) -> str:
 
 
 def _print_steps(by_impl: dict[str, dict[str, Any]]) -> None:
-    """Per step: each implementation's loss and whether they are equal."""
+    """Per step: each run's loss (and, for two runs, whether they are equal).
+
+    A resumed run's record has ``first_step`` > 1: its cells before it are blank.
+    """
     ok = {impl: r for impl, r in by_impl.items() if not r.get("error")}
     for impl, r in by_impl.items():
         if r.get("error"):
             print(f"  {impl}: ERROR {r['error']}")
     if not ok:
         return
-    steps = max(len(r["losses"]) for r in ok.values())
-    header = "".join(f"{impl + ' loss':>22}" for impl in ok)
+
+    def at(r: dict[str, Any], key: str, step: int) -> float | None:
+        i = step - r.get("first_step", 1)
+        return r[key][i] if 0 <= i < len(r[key]) else None
+
+    last = max(r.get("first_step", 1) + len(r["losses"]) - 1 for r in ok.values())
+    header = "".join(f"{impl + ' loss':>24}" for impl in ok)
     if len(ok) == 2:
         header += f"{'equal':>7}{'|diff|':>11}"
     print(f"  step{header}   grad norms")
-    for i in range(steps):
-        losses = [r["losses"][i] if i < len(r["losses"]) else None for r in ok.values()]
-        norms = [r["grad_norms"][i] if i < len(r["grad_norms"]) else None for r in ok.values()]
-        cells = "".join(f"{x!r:>22}" for x in losses)
+    for step in range(1, last + 1):
+        losses = [at(r, "losses", step) for r in ok.values()]
+        norms = [at(r, "grad_norms", step) for r in ok.values()]
+        cells = "".join(f"{'-' if x is None else repr(x):>24}" for x in losses)
         tail = ""
         if len(ok) == 2 and None not in losses:
             a, b = losses
             tail = f"{'yes' if a == b else 'NO':>7}{abs(a - b):>11.3g}"  # type: ignore[operator]
-        print(f"  {i + 1:>4}{cells}{tail}   {' '.join(repr(n) for n in norms)}")
+        norm_text = " ".join("-" if n is None else repr(n) for n in norms)
+        print(f"  {step:>4}{cells}{tail}   {norm_text}")
+
+
+def _resume_verdict(resumed: dict[str, Any], full: dict[str, Any]) -> str:
+    """A run resumed from a checkpoint against an uninterrupted run, on the steps after."""
+    if resumed.get("error"):
+        return f"resumed run failed: {resumed['error']}"
+    if full.get("error"):
+        return f"uninterrupted run failed: {full['error']}"
+    skip = resumed["first_step"] - 1
+    loss_equal, loss_diff = _steps_equal(full["losses"][skip:], resumed["losses"])
+    norm_equal, norm_diff = _steps_equal(full["grad_norms"][skip:], resumed["grad_norms"])
+    return (
+        f"steps {skip + 1}..{skip + len(resumed['losses'])}: losses "
+        f"{'equal bit for bit' if loss_equal else 'NOT equal'} (max |diff| {loss_diff:.3g}), "
+        f"grad norms {'equal' if norm_equal else 'NOT equal'} (max |diff| {norm_diff:.3g})"
+    )
 
 
 def _print_calls(record: dict[str, Any]) -> None:
@@ -476,11 +673,55 @@ def _print_calls(record: dict[str, Any]) -> None:
         print(f"    {count} x fully_shard([{', '.join(call['modules'])}], mesh=({mesh_text}))")
         for k, v in call["kwargs"].items():
             print(f"        {k} = {v}")
+        for desc, names in call.get("placement_fn", {}).items():
+            print(f"        shard_placement_fn -> {desc}: {len(names)} x {', '.join(names)}")
         if not call["params_before"]:
             print("        (no parameters of its own)")
         for when in ("params_before", "params_after"):
             for desc, names in call.get(when, {}).items():
                 print(f"        {when[7:]:6}: {len(names)} x {desc}: {', '.join(names)}")
+
+
+def _cross_load_runs(
+    name: str, args: argparse.Namespace, tree: Path, work: Path
+) -> dict[str, dict[str, Any]]:
+    """Four runs: each implementation uninterrupted (saving a checkpoint at the save
+    step), then each resumed from the other's checkpoint for the remaining steps."""
+    config = CONFIGS[name]
+    save = args.save_step or args.steps // 2
+    runs: dict[str, dict[str, Any]] = {}
+    for label, impl, source in (
+        ("torch", "torch", None),
+        ("ours", "ours", None),
+        ("ours<-torch", "ours", "torch"),
+        ("torch<-ours", "torch", "ours"),
+    ):
+        run_dir = work / name / label.replace("<-", "_from_")
+        folder = run_dir / "checkpoint"
+        if source is not None:
+            saved = work / name / source / "checkpoint" / f"step-{save}"
+            if not (saved / ".metadata").is_file():
+                runs[label] = {"error": f"{source}'s run left no checkpoint at step {save}"}
+                continue
+            folder.mkdir(parents=True)
+            (folder / f"step-{save}").symlink_to(saved)
+        titan_args = _titan_args(
+            work, run_dir / "dump", args.steps, config, _checkpoint_args(folder, save)
+        )
+        start = time.monotonic()
+        r = _run_config(
+            impl, config.ranks, titan_args, tree=tree, work=run_dir, timeout=args.timeout
+        )
+        if source is not None:
+            r["first_step"] = save + 1
+        runs[label] = r
+        if label == "ours" and not runs["torch"].get("error") and not r.get("error"):
+            saved = [work / name / impl / "checkpoint" / f"step-{save}" for impl in IMPLS]
+            if all((f / ".metadata").is_file() for f in saved):
+                r["checkpoint_vs_torch"] = _compare_checkpoints(*saved)
+        status = r.get("error") or f"{len(r.get('losses', []))} steps"
+        print(f"[{name} {label}: {status}, {time.monotonic() - start:.0f} s]", flush=True)
+    return runs
 
 
 def main() -> None:
@@ -491,6 +732,12 @@ def main() -> None:
     parser.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, choices=list(CONFIGS))
     parser.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
     parser.add_argument("--steps", type=int, default=3, help="training steps per run")
+    parser.add_argument(
+        "--cross-load",
+        action="store_true",
+        help="checkpoint at --save-step with one implementation, resume with the other",
+    )
+    parser.add_argument("--save-step", type=int, default=0, help="default: --steps // 2")
     parser.add_argument("--timeout", type=float, default=300, help="seconds per training run")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (rank logs)")
     parser.add_argument("--rank-process", choices=IMPLS, help=argparse.SUPPRESS)
@@ -502,32 +749,38 @@ def main() -> None:
         raise SystemExit(_rank_main(args.rank_process, tree, args.out, args.titan_args))
     if not (tree / "packages" / "fsdp" / "src" / "fsdp").is_dir():
         raise SystemExit(f"--tree {tree} has no packages/fsdp/src/fsdp: pass a repository root")
+    if args.cross_load and not 0 < (args.save_step or args.steps // 2) < args.steps:
+        raise SystemExit("--cross-load needs 0 < --save-step < --steps (e.g. --steps 4)")
 
     work = Path(tempfile.mkdtemp(prefix="torchtitan_check_"))
     try:
         _write_assets(work / "assets")
         results: dict[str, dict[str, dict[str, Any]]] = {}
         for name in args.configs:
-            ranks, extra = CONFIGS[name]
+            config = CONFIGS[name]
+            if args.cross_load:
+                results[name] = _cross_load_runs(name, args, tree, work)
+                continue
             results[name] = {}
             for impl in args.impls:
                 run_dir = work / name / impl
-                titan_args = _titan_args(work, run_dir / "dump", args.steps, extra)
+                titan_args = _titan_args(work, run_dir / "dump", args.steps, config)
                 start = time.monotonic()
                 r = _run_config(
-                    impl, ranks, titan_args, tree=tree, work=run_dir, timeout=args.timeout
+                    impl, config.ranks, titan_args, tree=tree, work=run_dir, timeout=args.timeout
                 )
                 results[name][impl] = r
                 status = r.get("error") or f"{len(r['losses'])} steps"
                 print(f"[{name} {impl}: {status}, {time.monotonic() - start:.0f} s]", flush=True)
 
-        print(f"\nours: {tree}; torchtitan llama3_debugmodel, {args.steps} steps per run")
+        print(f"\nours: {tree}; {args.steps} steps per run")
         for name, by_impl in results.items():
-            ranks, extra = CONFIGS[name]
-            print(f"\n== {name}: {ranks} ranks, {' '.join(extra)}")
+            config = CONFIGS[name]
+            print(f"\n== {name}: {'/'.join(config.model)}, {config.ranks} ranks, "
+                  f"{' '.join(config.args)}")  # fmt: skip
             for impl, r in by_impl.items():
                 if "fully_shard_impl" in r:
-                    print(f"  {impl}: {r['fully_shard_impl']}")
+                    print(f"  {impl}: {r['fully_shard_impl']}, {r['state_dict_impl']}")
             _print_steps(by_impl)
             if "torch" in by_impl and by_impl["torch"].get("fully_shard"):
                 print("  fully_shard calls in torch's run (rank 0; before/after: its parameters):")
@@ -541,6 +794,14 @@ def main() -> None:
             else:
                 for impl, r in by_impl.items():
                     print(f"  {name:{width}}  {impl}: {r.get('error') or 'ran'}")
+            if "checkpoint_vs_torch" in by_impl.get("ours", {}):
+                print(f"  {name:{width}}  checkpoints at step {args.save_step or args.steps // 2}"
+                      f", ours vs torch's: {by_impl['ours']['checkpoint_vs_torch']}")  # fmt: skip
+            for resumed, full in (("ours<-torch", "torch"), ("torch<-ours", "ours")):
+                for other in (full, resumed[: resumed.index("<")]):
+                    if resumed in by_impl and other in by_impl:
+                        verdict = _resume_verdict(by_impl[resumed], by_impl[other])
+                        print(f"  {name:{width}}  {resumed} vs {other} uninterrupted: {verdict}")
     finally:
         if args.keep:
             print(f"\nwork folder (rank logs): {work}")
