@@ -193,7 +193,10 @@ def test_only_rank0_loads(tmp_path: Path) -> None:
         "rank 0: all_to_all of the ckpt.load agreement step (did every rank call it?)"
     )
     assert "failed during load" in out[0][1]
-    assert out[1][0] in ("RuntimeError", "DistBackendError") and "Timed out" in out[1][1]
+    # rank 1 is in its own barrier: torch's error, raised, not a signal. Whether its timeout
+    # fires first or rank 0's exit closes the connection first is a race; both are true.
+    assert out[1][0] in ("RuntimeError", "DistBackendError"), out[1]
+    assert any(why in out[1][1] for why in ("Timed out", "closed by peer", "reset by peer"))
     assert all(o[2] < PG_TIMEOUT_S + SLACK_S for o in out), out
 
 
