@@ -113,7 +113,7 @@ class PlacementResolver:
                 "but holds no full SPMD mesh (spmd_mesh); build it with torch's "
                 "_get_mesh_info(mesh, DataParallelMeshDims(...))"
             )
-        key = (id(full), getattr(dims, "shard", None), getattr(dims, "replicate", None))
+        key = (id(full), repr(getattr(dims, "shard", None)), repr(getattr(dims, "replicate", None)))
         known = self._spmds.get(key)
         if known is None or known[0] is not full:
             known = self._spmds[key] = (full, spmd_mesh(full, dims))
