@@ -101,6 +101,11 @@ def _peak_rss_of_export(path: Path, out: Path, *args: str) -> int:
     """Peak resident bytes of ``python -m ckpt export`` (ru_maxrss of the child)."""
     env = {
         **os.environ,
+        # A fixed mmap threshold: every block of 1 MiB or more is mapped and unmapped when
+        # freed. glibc's dynamic threshold otherwise rises after the first large free and
+        # keeps later 16 MiB tensors in its heap after they are freed, so the peak counted a
+        # freed tensor too, depending on which thread's arena served it (CI saw 43 MiB once).
+        "MALLOC_MMAP_THRESHOLD_": str(1024 * 1024),
         "PYTHONPATH": os.pathsep.join(
             [*(str(p) for p in (ROOT / "packages").glob("*/src")), os.environ.get("PYTHONPATH", "")]
         ),
