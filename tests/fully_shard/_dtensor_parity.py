@@ -8,12 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-
-def full(t: Any) -> torch.Tensor:
-    """A DTensor (or plain tensor) as a full float32 tensor, detached."""
-    from torch.distributed.tensor import DTensor
-
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().float().clone()
+from tests.fully_shard._common import full
 
 
 def layout(p: Any) -> tuple[Any, ...]:

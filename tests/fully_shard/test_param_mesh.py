@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests.fully_shard._dtensor_parity import differences, full, layout, state_dict_differences
+from tests.fully_shard._common import step_and_record
+from tests.fully_shard._dtensor_parity import differences, layout, state_dict_differences
 from tests.ranks import run_ranks
 
 STEPS = 3
@@ -218,10 +219,7 @@ def _train(model: nn.Module, dense: Any = None) -> dict[str, list[Any]]:
             loss = model(x).pow(2).sum().full_tensor()
         loss.backward()
         record["loss"].append(loss.item())
-        record["grads"].append({n: full(p.grad) for n, p in model.named_parameters()})
-        opt.step()
-        opt.zero_grad()
-        record["params"].append({n: full(p) for n, p in model.named_parameters()})
+        step_and_record(model, opt, record)
     return record
 
 
