@@ -29,6 +29,8 @@ from torch import Tensor
 
 __all__ = ["BlockCodec", "QuantizedCommPolicy"]
 
+_CHUNK_ELEMENTS = 1 << 17  # a chunk's fp32 scratch (512 KiB) stays in a core's cache
+
 _WEIGHT_MODES = (None, "int8")
 _GRADIENT_MODES = (None, "int8", "bf16")
 
@@ -142,29 +144,42 @@ class BlockCodec:
         return self.scales_offset + 4 * self.blocks
 
     # [Note: codec passes] The codec runs on the critical path of every gather and
-    # reduction, on the CPU with one thread per rank, so it makes few passes over the
-    # data: the blocks are views of the rows (no padded copy; only the short last block
-    # is copied), the absmax from an amax and an amin, the codes from one multiply whose
-    # result is rounded and cleaned in place, and decoding multiplies the int8 codes by
-    # the scales straight into the destination (addcmul into the sum for reductions).
+    # reduction, on the CPU with one thread per rank. Two things decide its speed there:
+    # a fresh tensor of the shard's size costs a page fault per 4 KiB (allocating the
+    # fp32 temporary of a 15M-element shard took longer than the multiply that filled
+    # it), and an operation mixing int8 and fp32 inputs converts through a slow generic
+    # path (3 ns per element against 1 for a copy and an in-place multiply). So the
+    # blocks are processed in chunks of about 128K elements through one small scratch
+    # buffer that stays in cache, every operation has inputs of one dtype, and the
+    # blocks are views of the rows (only the short last block is copied). Measured on
+    # 15M elements, one thread: encode 5.0 -> 1.8-1.9 ns per element, decode 3.3 -> 0.7.
+    # On an accelerator the whole tensor is one chunk (kernel launches cost more than
+    # memory there).
 
     @property
     def full_blocks(self) -> int:
         """Blocks without padding: ``numel // block_size``."""
         return self.numel // self.block_size
 
-    def _parts(self, rows: Tensor) -> list[tuple[Tensor, slice]]:
-        """``rows`` (``(r, numel)``) as ``(r, k, block_size)`` block views, each with the
-        blocks it covers: the full blocks (a view) and the padded last one (a copy)."""
+    def _chunks(self, rows: Tensor) -> list[tuple[Tensor, slice]]:
+        """The full blocks of ``rows`` (``(r, numel)``) as ``(r, k, block_size)`` views
+        of at most a cache's worth of elements each, with the blocks each covers."""
         r, bs, full = rows.shape[0], self.block_size, self.full_blocks
-        parts = []
-        if full:
-            parts.append((rows[:, : full * bs].reshape(r, full, bs), slice(0, full)))
-        if full != self.blocks:
-            tail = rows.new_zeros(r, 1, bs)
-            tail[:, 0, : self.numel - full * bs] = rows[:, full * bs :]
-            parts.append((tail, slice(full, full + 1)))
-        return parts
+        if not full:
+            return []
+        step = full if rows.device.type != "cpu" else max(1, _CHUNK_ELEMENTS // (r * bs))
+        blocks = rows[:, : full * bs].view(r, full, bs)
+        spans = [slice(s, min(s + step, full)) for s in range(0, full, step)]
+        return [(blocks[:, span], span) for span in spans]
+
+    def _tail(self, rows: Tensor) -> list[tuple[Tensor, slice]]:
+        """The short last block of ``rows``, zero-padded into a copy (or nothing)."""
+        full = self.full_blocks
+        if full == self.blocks:
+            return []
+        tail = rows.new_zeros(rows.shape[0], 1, self.block_size)
+        tail[:, 0, : self.numel - full * self.block_size] = rows[:, full * self.block_size :]
+        return [(tail, slice(full, full + 1))]
 
     def encode(self, rows: Tensor, out: Tensor) -> None:
         """Quantize each row of ``rows`` (``(r, numel)``, floating) into the same row of
@@ -174,15 +189,21 @@ class BlockCodec:
             return
         codes_out = self._codes(out).view(r, self.blocks, self.block_size)
         scales_out = self._scales(out)
-        for x, blocks in self._parts(rows):
+        on_cpu = rows.device.type == "cpu"
+        scratch: Tensor | None = None
+        for x, blocks in self._chunks(rows) + self._tail(rows):
             high, low = x.amax(dim=2), x.amin(dim=2)  # 2.5x faster than aminmax on CPU
             scales = torch.maximum(high, low.neg()).to(torch.float32).div_(127.0)
-            usable = torch.isfinite(scales) & (scales > 0)  # else: zeros, or inf/NaN
+            finite = torch.isfinite(scales)
+            usable = finite & (scales > 0)  # else: zeros, or inf/NaN
             inverse = torch.where(usable, torch.where(usable, scales, 1.0).reciprocal(), 0.0)
+            if scratch is None or scratch.shape[1] < x.shape[1]:
+                scratch = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+            codes = scratch[:, : x.shape[1]]
             # |x| <= absmax, so |x * 127 / absmax| rounds to at most 127: no clamp needed.
             # An inf or NaN times the zero inverse is NaN: code 0 (the scale keeps it).
-            codes = torch.mul(x, inverse.unsqueeze(2)).round_()
-            if x.device.type != "cpu" or not bool(torch.isfinite(scales).all()):
+            torch.mul(x, inverse.unsqueeze(2), out=codes).round_()
+            if not on_cpu or not bool(finite.all()):
                 codes.nan_to_num_(0.0)  # (a check on the CPU spares a pass; on CUDA a sync)
             codes_out[:, blocks].copy_(codes)
             scales_out[:, blocks].copy_(scales)
@@ -214,18 +235,26 @@ class BlockCodec:
         bs, full = self.block_size, self.full_blocks
         codes = self._codes(payloads).view(r, self.blocks, bs)
         scales = self._scales(payloads).unsqueeze(2)
-        if full:
-            dest = out[:, : full * bs].view(r, full, bs)
+        in_place = out.dtype == torch.float32 and not accumulate
+        scratch: Tensor | None = None
+        if full != self.blocks:  # the padded last block: decoded apart, then cut
+            value = codes[:, full].to(torch.float32).mul_(scales[:, full])
+            target, n = out[:, full * bs :], self.numel - full * bs
             if accumulate:
-                dest.addcmul_(codes[:, :full], scales[:, :full])
+                target.add_(value[:, :n])
             else:
-                torch.mul(codes[:, :full], scales[:, :full], out=dest)
-        if full != self.blocks:
-            tail = (codes[:, full] * scales[:, full])[:, : self.numel - full * bs]
+                target.copy_(value[:, :n])
+        for dest, blocks in self._chunks(out):
+            if in_place:  # int8 -> fp32 straight into the destination, scaled there
+                dest.copy_(codes[:, blocks]).mul_(scales[:, blocks])
+                continue
+            if scratch is None or scratch.shape[1] < dest.shape[1]:
+                scratch = torch.empty(dest.shape, dtype=torch.float32, device=dest.device)
+            value = scratch[:, : dest.shape[1]].copy_(codes[:, blocks])
             if accumulate:
-                out[:, full * bs :].add_(tail)
+                dest.addcmul_(value, scales[:, blocks])
             else:
-                out[:, full * bs :].copy_(tail)
+                dest.copy_(value.mul_(scales[:, blocks]))
 
     def _codes(self, payloads: Tensor) -> Tensor:  # (r, codes_bytes) int8 view
         return payloads[:, : self.codes_bytes].view(torch.int8)
