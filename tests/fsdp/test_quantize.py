@@ -159,3 +159,47 @@ def test_decode_sum_adds_the_rows_in_order(numel: int, block_size: int) -> None:
     codec.decode_sum(wire, total, exact=(2, own))
     expected = each[0] + each[1] + own + each[3]
     torch.testing.assert_close(total, expected, rtol=1e-6, atol=1e-6)
+
+
+def _reference_payload(rows: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The format written out plainly: per row, padded blocks, ``absmax / 127`` scales and
+    ``round(x * (1 / scale))`` codes (what [Note: block-wise quantization] specifies)."""
+    r, n = rows.shape
+    blocks = -(-n // block_size)
+    padded = torch.nn.functional.pad(rows.float(), (0, blocks * block_size - n))
+    padded = padded.view(r, blocks, block_size)
+    scales = padded.abs().amax(dim=2) / 127.0
+    inverse = torch.where(scales > 0, 1.0 / torch.where(scales > 0, scales, 1.0), 0.0)
+    codes = (padded * inverse.unsqueeze(2)).round().to(torch.int8)
+    return codes.view(r, -1), scales
+
+
+@pytest.mark.parametrize("chunk", [1, 8, 300, 1 << 17])
+@pytest.mark.parametrize(("numel", "block_size"), [(1, 4), (1000, 64), (4099, 256), (70_000, 3)])
+def test_chunked_codec_equals_the_plain_format(
+    numel: int, block_size: int, chunk: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The codec works through cache-sized chunks ([Note: codec passes]); however the
+    blocks fall into chunks, the payload is the plain format's, bit for bit, and so are
+    the decoded values (fp32, bf16) and the sums."""
+    import fsdp._runtime._quantize as quantize
+
+    monkeypatch.setattr(quantize, "_CHUNK_ELEMENTS", chunk)
+    g = torch.Generator().manual_seed(numel + block_size)
+    rows = torch.randn(3, numel, generator=g) * torch.logspace(-2, 2, numel)
+    codec = BlockCodec(numel, block_size)
+    wire = torch.full((3, codec.nbytes), 0xAB, dtype=torch.uint8)
+    codec.encode(rows, wire)
+    codes, scales = _reference_payload(rows, block_size)
+    assert torch.equal(wire[:, : codec.codes_bytes].view(torch.int8), codes)
+    assert torch.equal(wire[:, codec.scales_offset :].view(torch.float32), scales)
+    values = (codes.view(3, -1, block_size).float() * scales.unsqueeze(2)).view(3, -1)[:, :numel]
+    for dtype in (torch.float32, torch.bfloat16):
+        out = torch.full((3, numel), float("nan"), dtype=dtype)
+        codec.decode(wire, out)
+        assert torch.equal(out, values.to(dtype))
+    total = torch.full((numel,), float("nan"))
+    codec.decode_sum(wire, total, exact=(1, rows[1]))
+    # Row 2 is added by a multiply-add, so the last bit (of the largest term) may differ.
+    ulp = float(rows.abs().max()) * 2**-23
+    torch.testing.assert_close(total, values[0] + rows[1] + values[2], rtol=0, atol=2 * ulp)
