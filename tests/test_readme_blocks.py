@@ -123,6 +123,10 @@ def _run_block(code: str, where: str, workdir: str, port: int, torchrun: bool) -
     would, as ``__main__`` in ``workdir``, under torchrun's environment if asked."""
     import torch.distributed as dist
 
+    # Every rank must be through the harness's init before any drops its group: a rank
+    # that closed its sockets while a peer still connected failed that peer's init
+    # ("Connection closed by peer", seen once in CI).
+    dist.barrier()
     dist.destroy_process_group()
     os.chdir(workdir)
     if torchrun:  # RANK, WORLD_SIZE and LOCAL_RANK are the harness's already
