@@ -23,7 +23,7 @@ FSDP1 and FSDP2 built the same way, and a compute-only step (the same forward
 and backward on the full model, AdamW on this rank's 1/N of the parameters,
 no collective), and ours twice more with ``fsdp.QuantizedCommPolicy()``
 (``, int8 comm``: weights gathered and gradients reduced as int8 blocks of
-256 elements, one fp32 scale each; exact fp32 master parameters). AdamW,
+64 elements, one fp32 scale each; exact fp32 master parameters). AdamW,
 fp32, gloo/CPU. Before the steps, rank 0 sends 16 MiB to rank 1 at each rate:
 the rate the ranks actually get (in the notes).
 Columns:

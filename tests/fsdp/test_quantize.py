@@ -129,7 +129,7 @@ def test_policy_refuses_bad_values(kwargs: dict[str, object], error: type, says:
 
 def test_policy_defaults() -> None:
     policy = fsdp.QuantizedCommPolicy()
-    assert (policy.weights, policy.gradients, policy.block_size) == ("int8", "int8", 256)
+    assert (policy.weights, policy.gradients, policy.block_size) == ("int8", "int8", 64)
 
 
 def test_front_ends_refuse_a_bad_comm_policy() -> None:

@@ -69,13 +69,18 @@ class QuantizedCommPolicy:
     Attributes:
         weights: ``"int8"`` or ``None``.
         gradients: ``"int8"``, ``"bf16"`` or ``None``.
-        block_size: elements per quantization block (ZeRO++ uses a few hundred:
-            each block adds 4 bytes of scale to its ``block_size`` bytes).
+        block_size: elements per quantization block; each block adds 4 bytes
+            of scale to its ``block_size`` bytes (64: 0.27x of fp32's bytes,
+            256: 0.25x). The default of 64 because a block may span two
+            parameters of a flat shard (a LayerNorm's weights near 1 beside its
+            biases near 0, which then lose their resolution): over four seeds of
+            400-step ``examples/train.py`` runs, 64 ended 1.5% above the exact
+            mean validation loss and 256 2.5% (the fsdp README).
     """
 
     weights: str | None = "int8"
     gradients: str | None = "int8"
-    block_size: int = 256
+    block_size: int = 64
 
     def __post_init__(self) -> None:
         if self.weights not in _WEIGHT_MODES:
@@ -95,7 +100,7 @@ class QuantizedCommPolicy:
         if self.block_size < 1:
             raise ValueError(
                 f"QuantizedCommPolicy.block_size={self.block_size} must be at least 1 "
-                "(a few hundred is usual, e.g. 256)"
+                "(tens to a few hundred is usual; the default is 64)"
             )
 
 
