@@ -56,7 +56,7 @@ class TrainConfig:
     autocast under DDP) while parameters and optimizer state stay fp32."""
     quantized_comm: QuantizedComm = "none"
     """Quantized communication (our fsdp and fully_shard only, fsdp.QuantizedCommPolicy):
-    int8 gathers weights and reduces gradients as int8 blocks (one fp32 scale per 256
+    int8 gathers weights and reduces gradients as int8 blocks (one fp32 scale per 64
     elements), int8-bf16 gathers int8 and reduces bf16; the sharded fp32 parameters
     stay exact. For slow links."""
     cpu_offload: bool = False

@@ -71,11 +71,12 @@ class QuantizedCommPolicy:
         gradients: ``"int8"``, ``"bf16"`` or ``None``.
         block_size: elements per quantization block; each block adds 4 bytes
             of scale to its ``block_size`` bytes (64: 0.27x of fp32's bytes,
-            256: 0.25x). The default of 64 because a block may span two
-            parameters of a flat shard (a LayerNorm's weights near 1 beside its
-            biases near 0, which then lose their resolution): over four seeds of
-            400-step ``examples/train.py`` runs, 64 ended 1.5% above the exact
-            mean validation loss and 256 2.5% (the fsdp README).
+            256: 0.25x). The default is 64: over four seeds of 400-step
+            ``examples/train.py`` runs it ended 1.5% above the exact mean
+            validation loss, 256 2.5% (the fsdp README). Smaller blocks likely
+            help because a block may span two parameters of a flat shard (a
+            LayerNorm's weights near 1 beside its biases near 0, which then
+            lose their resolution).
     """
 
     weights: str | None = "int8"
