@@ -158,7 +158,8 @@ class BlockCodec:
     # blocks are processed in chunks of about 128K elements through one small scratch
     # buffer that stays in cache, every operation has inputs of one dtype, and the
     # blocks are views of the rows (only the short last block is copied). Measured on
-    # 15M elements, one thread: encode 5.0 -> 1.8-1.9 ns per element, decode 3.3 -> 0.7.
+    # 15M elements, one thread, blocks of 256: encode 5.0 -> 1.8-1.9 ns per element,
+    # decode 3.3 -> 0.7 (blocks of 64: 2.3 and 0.8).
     # On an accelerator the whole tensor is one chunk (kernel launches cost more than
     # memory there).
 
