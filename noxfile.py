@@ -47,8 +47,9 @@ TYPE_DEPS = ["mypy==2.4.1", "pytest==9.2.0", "hypothesis==6.170.15", "numpy", "s
 # TensorBoard is optional: train.py writes its event files only when it is installed.
 EXAMPLE_DEPS = ["rich==15.0.0", "matplotlib==3.11.2", "tomli; python_version < '3.11'"]
 LINT_DEPS = ["ruff==0.17.6"]
-# The compat session: Lightning driving our FSDP through torch's names (tests/compat).
-COMPAT_DEPS = ["lightning==2.6.6"]
+# The compat session: Lightning and accelerate driving our FSDP through torch's names
+# (tests/compat).
+COMPAT_DEPS = ["lightning==2.6.6", "accelerate==1.15.0"]
 
 nox.options.sessions = ["tests", "typecheck", "lint"]
 nox.options.reuse_existing_virtualenvs = True

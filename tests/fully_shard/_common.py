@@ -226,6 +226,18 @@ def train(model: nn.Module, case: Case) -> dict[str, list[Any]]:
     return record
 
 
+def train_plain(model: nn.Module, steps: int = STEPS) -> dict[str, list[Any]]:
+    """Losses, full gradients and full parameters of ``steps`` plain AdamW steps."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    record: dict[str, list[Any]] = {"loss": [], "grads": [], "params": []}
+    for x, y in batches(steps):
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        record["loss"].append(loss.item())
+        step_and_record(model, opt, record)
+    return record
+
+
 def step_and_record(model: nn.Module, opt: torch.optim.Optimizer, record: dict[str, Any]) -> None:
     """Record the full gradients, step, and record the full parameters."""
     record["grads"].append(

@@ -13,17 +13,13 @@ at 4 (see ``test_parity.py``).
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 from torch import nn
 
-from tests.fsdp._common import Net, batches, loss_fn
-from tests.fully_shard._common import assert_parity, compare, step_and_record
+from tests.fsdp._common import Net, batches
+from tests.fully_shard._common import assert_parity, compare, train_plain
 from tests.ranks import run_ranks
-
-STEPS = 3
 
 
 def _build(impl: str, replicate_api: str = "ddp") -> nn.Module:
@@ -49,17 +45,6 @@ def _build(impl: str, replicate_api: str = "ddp") -> nn.Module:
     return model
 
 
-def _train(model: nn.Module) -> dict[str, list[Any]]:
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    record: dict[str, list[Any]] = {"loss": [], "grads": [], "params": []}
-    for x, y in batches(STEPS):
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        record["loss"].append(loss.item())
-        step_and_record(model, opt, record)
-    return record
-
-
 def _registry_rank() -> list[str]:
     """What torch's composable APIs see of a model ours sharded."""
     from torch.distributed._composable import replicate
@@ -81,8 +66,8 @@ def _registry_rank() -> list[str]:
 
 
 def _parity_rank(replicate_api: str) -> dict[str, tuple[bool, float]]:
-    ref = _train(_build("torch", replicate_api))
-    ours = _train(_build("ours", replicate_api))
+    ref = train_plain(_build("torch", replicate_api))
+    ours = train_plain(_build("ours", replicate_api))
     return {"replicate_over_fully_shard": compare(ref, ours)}
 
 

@@ -116,7 +116,7 @@ def post_state_dict(module: nn.Module, state_dict: dict[str, Any], prefix: str) 
     sd_type, config = _settings(module)
     offload = config.offload_to_cpu
     rank0_only = bool(getattr(config, "rank0_only", False))
-    runs = getattr(module, RUNS_ATTR, None)
+    runs = module.__dict__.get(RUNS_ATTR)  # not forwarded to the wrapped module
     capture = runs == "save"
     # A frozen part (fsdp's [Note: frozen part]) is a unit of its own, under its own key;
     # only LOCAL state dicts show the keys.
@@ -267,7 +267,7 @@ def pre_load_state_dict(
     """Rebuild this rank's shard from the incoming entries (see [Note: one unit at a time])."""
     assert_idle(module, "load_state_dict")
     sd_type, _ = _settings(module)
-    runs = getattr(module, RUNS_ATTR, None) == "load"
+    runs = module.__dict__.get(RUNS_ATTR) == "load"
     shards: list[tuple[FlatUnit, Tensor | None]] = []
     for unit in instance_flat_units(module, prefix):
         shard: Tensor | None = None

@@ -237,7 +237,8 @@ def _check_module(module: nn.Module) -> None:
             f"fully_shard was already applied to this {type(module).__name__}: apply it once "
             "per module (inner modules first, then the outer ones)"
         )
-    if module.__dict__.get("_fsdp_state") is not None or hasattr(module, "_fsdp_wrapped_module"):
+    # Own attributes only: a CheckpointWrapper around an FSDP1 instance forwards both.
+    if module.__dict__.get("_fsdp_state") is not None or "_fsdp_wrapped_module" in module._modules:
         raise ValueError(
             "fully_shard cannot be applied to a FullyShardedDataParallel instance: use one of "
             "the two APIs for a model (FSDP1's wrapper or FSDP2's fully_shard)"

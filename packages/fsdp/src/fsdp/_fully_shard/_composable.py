@@ -21,6 +21,14 @@ two marks on each module they are applied to, and read each other's:
 torch records both in its ``contract`` decorator, before the API runs; ours
 records them once ``fully_shard`` has succeeded, so a refused call leaves no
 mark and a module is never half registered.
+
+Both are read from the module's own ``__dict__``, never through ``getattr``:
+wrappers that forward unknown attributes to the module they wrap
+(``CheckpointWrapper``, ``torch.compile``'s ``OptimizedModule``, FSDP1's
+wrapper) would otherwise lend the inner module's registry to the wrapper, and a
+wrapper around a sharded module would look sharded itself (issue 41: accelerate
+shards the inner module, then its checkpoint wrapper). torch's ``contract``
+checks ``__dict__`` the same way before it applies an API.
 """
 
 from __future__ import annotations
@@ -34,7 +42,6 @@ from torch.distributed._composable.contract import (
     REGISTRY_KEY,
     STATE_KEY,
     RegistryItem,
-    _get_registry,
 )
 from torch.distributed._composable_state import _get_module_state, _insert_module_state, _State
 
@@ -57,13 +64,17 @@ def register(modules: Iterable[nn.Module], api: Callable[..., Any], state: _Stat
             _insert_module_state(module, state)
 
 
+def _own_registry(module: nn.Module) -> dict[str, RegistryItem]:
+    """The composable APIs applied to ``module`` itself (not to a module it wraps)."""
+    registry = module.__dict__.get(REGISTRY_KEY)
+    return registry if isinstance(registry, dict) else {}
+
+
 def is_fully_sharded(module: nn.Module) -> bool:
-    """Whether a ``fully_shard`` (ours or torch's) was applied to ``module``."""
-    registry = _get_registry(module)
-    return registry is not None and API_NAME in registry
+    """Whether a ``fully_shard`` (ours or torch's) was applied to ``module`` itself."""
+    return API_NAME in _own_registry(module)
 
 
 def is_replicated(module: nn.Module) -> bool:
     """Whether torch's ``replicate()`` manages ``module`` (``fully_shard`` leaves it alone)."""
-    registry = _get_registry(module)
-    return registry is not None and "replicate" in registry
+    return "replicate" in _own_registry(module)
