@@ -139,16 +139,18 @@ def save_checkpoint(
     """Save a checkpoint of step ``step`` (collective: every rank calls it) and keep
     only the newest ``keep``. Returns the checkpoint's folder.
 
-    A checkpoint of the same step is replaced (``overwrite``): that happens only when a
-    run that was resumed from an older step reaches it again, and the newer one is the
-    one to continue from."""
+    A checkpoint of the same step is replaced (``overwrite``), and a step older than the
+    folder's newest is saved (``allow_older``): both happen only when a run that was
+    resumed from an older step (``--resume STEP``) reaches them again, and the newer one
+    is the one to continue from."""
     state: dict[str, Any] = {
         "model": model,
         "optim": optimizer,
         "trainer": json.dumps(trainer_state),
         **_rng_state(),
     }
-    info = CheckpointManager(root, keep_last=keep).save(step, state, overwrite=True)
+    manager = CheckpointManager(root, keep_last=keep)
+    info = manager.save(step, state, overwrite=True, allow_older=True)
     return info.path
 
 

@@ -103,7 +103,10 @@ def _model_bytes(model: torch.nn.Module) -> int:
 
 
 def _left_behind(root: Path) -> list[str]:
-    return sorted(p.name for p in root.iterdir() if p.name.startswith("."))
+    """What a failed save left in ``root`` (a manager's own hold on it is not that)."""
+    return sorted(
+        p.name for p in root.iterdir() if p.name.startswith(".") and p.name != ".ckpt-job.lease"
+    )
 
 
 def _assert_step1_loads(root: Path, model: torch.nn.Module) -> None:

@@ -140,8 +140,9 @@ def test_peer_fault_is_named_and_the_previous_checkpoint_stays(
     else:
         assert "Nothing of this save was committed" in message
         assert "partial directory was removed" in message
-    # Only step 1 is left: no partial directory, no lease, no step 2.
-    assert found["left"] == ["step_00000001"], found["left"]
+    # Only step 1 is left: no partial directory, no save's lease, no step 2 (and the
+    # job's own hold on the folder, as its manager is alive).
+    assert found["left"] == [".ckpt-job.lease", "step_00000001"], found["left"]
 
     manifest = ckpt.verify(root / "step_00000001")
     assert manifest.world_size == 2
@@ -188,4 +189,6 @@ def test_coordinator_killed_in_commit(tmp_path: Path) -> None:
         manager.save(2, {"model": make_net(0)})
     said = "\n".join(str(w.message) for w in warned)
     assert "recovered the lease" in said and ".step_00000002." in said, said
+    assert "took over" in said, said  # the dead rank 0's hold on the folder
+    manager.close()
     assert sorted(p.name for p in root.iterdir()) == ["step_00000002"]

@@ -35,8 +35,9 @@ from tests.ranks import run_ranks
 
 
 def _only_committed(root: Path) -> list[str]:
-    """Every entry of ``root``; asserts each committed checkpoint verifies."""
-    names = sorted(p.name for p in root.iterdir())
+    """Every entry of ``root`` but a job's lease; asserts each committed checkpoint
+    verifies."""
+    names = sorted(p.name for p in root.iterdir() if p.name != ".ckpt-job.lease")
     for name in names:
         if name.startswith("step_"):
             ckpt.verify(root / name)
@@ -186,102 +187,116 @@ def test_rotation_keeps_only_checked_checkpoints(tmp_path: Path) -> None:
     assert manager.steps() == [3, 4]
 
 
-# ------------------------------------------------------------- two process groups
+# ------------------------------------------------------------- two jobs, one folder
+#
+# The scenario of issue 39: two jobs (a 1-rank one and a 2-rank one, each a process
+# group of its own) given the same CheckpointManager folder. A step may be reported
+# saved by one job only, and every committed checkpoint verifies.
 
 
-def _writer_groups(ranks_each: int) -> tuple[Any, int]:
-    """Two groups of ``ranks_each`` ranks (writer 0 and writer 1); this rank's group
-    and writer."""
-    groups = [dist.new_group(list(range(w * ranks_each, (w + 1) * ranks_each))) for w in (0, 1)]
-    writer = dist.get_rank() // ranks_each
-    return groups[writer], writer
+def _jobs() -> tuple[Any, str]:
+    """Job "a" is rank 0 alone, job "b" ranks 1 and 2; this rank's group and job."""
+    groups = {"a": dist.new_group([0]), "b": dist.new_group([1, 2])}
+    job = "a" if dist.get_rank() == 0 else "b"
+    return groups[job], job
 
 
-def _rank_two_writers_interleaved(root: str, ranks_each: int) -> list[str]:
-    """Both writers save steps 1..5 with keep_last=2; at each step the first one holds
-    its lease inside its write while the second tries the same step (refused), then the
-    second overwrites it. Barriers on the default group order them."""
-    group, writer = _writer_groups(ranks_each)
+def _attempt(outcomes: list[str], step: int, call: Callable[[], object]) -> None:
+    """Record ``saved N`` or the name of the ckpt error the call raised."""
+    try:
+        call()
+        outcomes.append(f"saved {step}")
+    except ckpt.CheckpointError as e:
+        outcomes.append(type(e).__name__)
+        if isinstance(e, ckpt.CheckpointInUseError):  # names the holder and the fix
+            said = str(e)
+            assert all(w in said for w in ("pid ", "on this host", "started ", "Fix:")), said
+
+
+def _rank_two_jobs_in_turns(root: str, first: str) -> list[str]:
+    """``first`` saves steps 1-3 while the other job tries to save and load (refused:
+    the folder is held); ``first`` closes its manager; the other then cannot save an
+    older step, loads the newest and continues with 4 and 5; ``first`` is refused in
+    turn. Barriers on the default group (which no checkpoint uses) order the jobs."""
+    group, job = _jobs()
     manager = ckpt.CheckpointManager(root, keep_last=2, process_group=group)
-    model = make_model(writer)
-    outcomes: list[str] = []
-    write = CheckpointWriter.write_data
-    holding = [False]
-
-    def write_data(self: CheckpointWriter, *args: Any) -> Any:
-        if holding[0]:
-            dist.barrier()  # 1: the second writer may try now
-            dist.barrier()  # 2: it has tried
-        return write(self, *args)
-
-    CheckpointWriter.write_data = write_data  # type: ignore[method-assign]
-    for step in range(1, 6):
-        first = step % 2  # writer 1 first at odd steps
-        holding[0] = writer == first
-        if writer == first:
-            manager.save(step, {"model": model})
-            holding[0] = False
-            dist.barrier()  # 3: committed
-            dist.barrier()  # 4: the second one overwrote it
-        else:
-            dist.barrier()  # 1
-            try:
-                manager.save(step, {"model": model})
-                outcomes.append("saved")
-            except ckpt.CheckpointError as e:
-                outcomes.append(type(e).__name__)
-            dist.barrier()  # 2
-            dist.barrier()  # 3
-            try:
-                manager.save(step, {"model": model})
-            except ckpt.CheckpointExistsError:
-                outcomes.append("exists")
-            manager.save(step, {"model": model}, overwrite=True)
-            dist.barrier()  # 4
-    return outcomes
+    model = make_model(0 if job == "a" else 1)
+    out: list[str] = []
+    if job == first:
+        for step in (1, 2, 3):
+            _attempt(out, step, lambda step=step: manager.save(step, {"model": model}))
+    dist.barrier()  # 1: the first job holds the folder
+    if job != first:
+        _attempt(out, 1, lambda: manager.save(1, {"model": model}))
+        _attempt(out, 0, lambda: manager.load_latest({"model": model}))
+    dist.barrier()  # 2
+    if job == first:
+        manager.close()
+    dist.barrier()  # 3: it let go
+    if job != first:
+        _attempt(out, 2, lambda: manager.save(2, {"model": model}))  # older than 3
+        assert manager.load_latest({"model": make_model(5)}) == 3
+        for step in (4, 5):
+            _attempt(out, step, lambda step=step: manager.save(step, {"model": model}))
+    dist.barrier()  # 4: the second job holds it now
+    if job == first:
+        _attempt(out, 4, lambda: manager.save(4, {"model": model}, overwrite=True))
+    dist.barrier()  # 5
+    return out
 
 
-@pytest.mark.parametrize("ranks_each", [1, 2])
-def test_two_writers_interleaved(tmp_path: Path, ranks_each: int) -> None:
-    out = run_ranks(
-        _rank_two_writers_interleaved, 2 * ranks_each, str(tmp_path), ranks_each, timeout=120
-    )
-    for rank, outcomes in enumerate(out):
-        seconds = 3 if rank // ranks_each == 0 else 2  # writer 0 is second at odd steps
-        assert outcomes == ["CheckpointInUseError", "exists"] * seconds, (rank, outcomes)
+@pytest.mark.parametrize("first", ["a", "b"])
+def test_two_jobs_in_turns(tmp_path: Path, first: str) -> None:
+    out = run_ranks(_rank_two_jobs_in_turns, 3, str(tmp_path), first, timeout=120)
+    jobs = {"a": [out[0]], "b": [out[1], out[2]]}
+    second = "b" if first == "a" else "a"
+    for outcomes in jobs[first]:
+        assert outcomes == ["saved 1", "saved 2", "saved 3", "CheckpointInUseError"], outcomes
+    for outcomes in jobs[second]:
+        assert outcomes == [
+            "CheckpointInUseError",
+            "CheckpointInUseError",
+            "OlderStepError",
+            "saved 4",
+            "saved 5",
+        ], outcomes
+    _no_step_saved_twice(jobs)
     assert _only_committed(tmp_path) == ["step_00000004", "step_00000005"]
-    # The second writer of each step overwrote it: step 5's first was writer 1, so
-    # writer 0's model is in it, and writer 1's in step 4.
-    for step, writer in ((5, 0), (4, 1)):
-        fresh = make_model(9)
-        ckpt.load({"model": fresh}, tmp_path / f"step_{step:08d}")
-        assert_same(params(fresh), params(make_model(writer)))
+    fresh = make_model(9)
+    ckpt.load({"model": fresh}, tmp_path / "step_00000005")
+    assert_same(params(fresh), params(make_model(0 if second == "a" else 1)))
 
 
-def _rank_two_writers_at_once(root: str, ranks_each: int) -> list[str]:
-    """Both writers save steps 1..5 as fast as they can; any error must be a
-    CheckpointError (a raw OSError fails the rank)."""
-    group, writer = _writer_groups(ranks_each)
+def _no_step_saved_twice(jobs: dict[str, list[list[str]]]) -> None:
+    saved = {
+        job: {o for rank in ranks for o in rank if o.startswith("saved")}
+        for job, ranks in jobs.items()
+    }
+    assert not saved["a"] & saved["b"], saved
+
+
+def _rank_two_jobs_at_once(root: str) -> list[str]:
+    """Both jobs save steps 1-5 as fast as they can (no order between them), then wait
+    for each other before their managers let go."""
+    group, job = _jobs()
     manager = ckpt.CheckpointManager(root, keep_last=2, process_group=group)
-    model = make_model(writer)
-    outcomes = []
+    model = make_model(0 if job == "a" else 1)
+    out: list[str] = []
     dist.barrier()  # start together
     for step in range(1, 6):
-        try:
-            manager.save(step, {"model": model}, overwrite=True)
-            outcomes.append("saved")
-        except ckpt.CheckpointError as e:
-            outcomes.append(type(e).__name__)
-    return outcomes
+        _attempt(out, step, lambda step=step: manager.save(step, {"model": model}))
+    dist.barrier()  # both done: only now may the holder let go
+    return out
 
 
-@pytest.mark.parametrize("ranks_each", [1, 2])
-def test_two_writers_at_once(tmp_path: Path, ranks_each: int) -> None:
-    out = run_ranks(
-        _rank_two_writers_at_once, 2 * ranks_each, str(tmp_path), ranks_each, timeout=120
-    )
-    kinds = {kind for o in out for kind in o}
-    assert kinds <= {"saved", "CheckpointInUseError"}, out
-    names = _only_committed(tmp_path)  # every committed checkpoint verifies
-    assert "step_00000005" in names, names
-    assert all(not n.endswith((".partial", ".lease", ".old")) for n in names), names
+def test_two_jobs_at_once(tmp_path: Path) -> None:
+    out = run_ranks(_rank_two_jobs_at_once, 3, str(tmp_path), timeout=120)
+    jobs = {"a": [out[0]], "b": [out[1], out[2]]}
+    assert out[1] == out[2], out  # a job's ranks share every outcome
+    saved = [job for job, ranks in jobs.items() if ranks[0][0] == "saved 1"]
+    assert len(saved) == 1, out  # one job took the folder at its first save
+    winner, loser = saved[0], "b" if saved[0] == "a" else "a"
+    assert jobs[winner][0] == [f"saved {s}" for s in range(1, 6)], out
+    assert jobs[loser][0] == ["CheckpointInUseError"] * 5, out
+    _no_step_saved_twice(jobs)
+    assert _only_committed(tmp_path) == ["step_00000004", "step_00000005"]

@@ -26,6 +26,7 @@ __all__ = [
     "DiskFullError",
     "FileProblem",
     "NotACheckpointError",
+    "OlderStepError",
     "PartialCheckpointError",
     "ShapeMismatch",
     "SignatureError",
@@ -111,6 +112,29 @@ class CheckpointExistsError(CheckpointError, FileExistsError):
     a wrong step number never silently replaces a good checkpoint; anything at the
     path that is not a ckpt checkpoint is never replaced.
     """
+
+
+class OlderStepError(CheckpointError):
+    """A ``CheckpointManager`` save of a step older than the folder's newest checkpoint.
+
+    A job that saves steps behind the folder's newest is almost always the wrong job
+    (a second one given the same folder, a script restarted from scratch): its own
+    ``keep_last`` would then prune the newer steps it never made. ``step`` and
+    ``newest`` hold both numbers; ``allow_older=True`` saves it anyway (a run resumed
+    from an older step on purpose).
+    """
+
+    def __init__(self, root: Path, step: int, newest: int) -> None:
+        self.root = root
+        self.step = step
+        self.newest = newest
+        super().__init__(
+            f"refusing to save step {step} into {root}: its newest committed checkpoint is "
+            f"step {newest}, and a job saves steps forward; nothing was saved. If this run "
+            f"resumed from an older step on purpose, pass allow_older=True (its pruning then "
+            f"keeps the newest steps, never the one just saved); if it is a new run, give "
+            f"it another folder or resume it from step {newest} (load_latest)"
+        )
 
 
 def _bytes(n: int) -> str:
@@ -336,13 +360,22 @@ class CheckpointInUseError(CheckpointError):
     ``_format/lease.py``) and the second writer gets this error before it writes anything.
     ``owner`` describes the other writer (host, pid, since when) when known, ``lease``
     is the lease file. Nothing of this save was kept.
+
+    A :class:`~ckpt.CheckpointManager` raises it too, at a job's first save or load in a
+    folder that another job's manager holds ([Note: one job per folder] in
+    ``_format/job_lease.py``); ``fix`` then says what to do instead of the default.
     """
 
-    def __init__(self, path: Path, owner: str, lease: Path | None, detail: str = "") -> None:
+    def __init__(
+        self, path: Path, owner: str, lease: Path | None, detail: str = "", fix: str = ""
+    ) -> None:
         self.path = path
         self.owner = owner
         self.lease = lease
         self.detail = detail
+        if fix:
+            super().__init__(f"{detail}. Fix: {fix}.")
+            return
         what = detail or f"another save is writing it: {owner}"
         fix = (
             "Two writers on one checkpoint folder damage each other's checkpoints: stop the "

@@ -7,6 +7,13 @@ next save. Old checkpoints are pruned only after a new one is committed and the 
 kept were checked, so at least one good checkpoint exists at every moment; another
 writer in the same root never loses a running save or its checkpoint to the pruning
 ([Note: one writer per checkpoint] in ``_format/lease.py``).
+
+A manager holds its root for its job from its first save or load to ``close()`` ([Note:
+one job per folder] in ``_format/job_lease.py``), and saves steps forward only: a step
+older than the root's newest committed one is refused (:class:`~ckpt.OlderStepError`)
+unless asked for (``allow_older=True``), and the newest itself only with
+``overwrite=True``. Both checks run on rank 0 inside the save's own preparation, so
+they cost no collective.
 """
 
 from __future__ import annotations
@@ -14,8 +21,10 @@ from __future__ import annotations
 import contextlib
 import re
 import warnings
-from collections.abc import Iterator, Mapping
+import weakref
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 import torch.distributed as dist
@@ -31,9 +40,15 @@ from ckpt._commit.save_load import (
     save,
     wait_pending,
 )
-from ckpt._errors import CheckpointError, CheckpointInUseError, NotACheckpointError
+from ckpt._errors import (
+    CheckpointError,
+    CheckpointInUseError,
+    NotACheckpointError,
+    OlderStepError,
+)
 from ckpt._format import layout
 from ckpt._format.file_checks import manifest_size_problems
+from ckpt._format.job_lease import hold_folder, let_go
 from ckpt._format.lease import Lease, acquire
 from ckpt._format.manifest import Checksum, read_manifest
 
@@ -48,6 +63,11 @@ class CheckpointManager:
     ``keep_last=K`` keeps the K newest committed checkpoints (None keeps all); the
     oldest are removed by rank 0 right after a newer one commits. Every method that
     saves or loads is collective: call it on every rank with the same arguments.
+
+    The manager's job holds ``root`` from its first save or load until :meth:`close`
+    (or the manager's collection, or the process's exit): another job's manager gets
+    :class:`~ckpt.CheckpointInUseError` at its first save or load there ([Note: one job
+    per folder]). Use it as a context manager to let go at the end of a block.
 
     Example::
 
@@ -83,6 +103,38 @@ class CheckpointManager:
         self.checksum = checksum
         self.key = key  # signs every save and is required by every load (keyed manifest)
         self.process_group = process_group
+        self._holding: weakref.finalize[Any, Any] | None = None  # rank 0's hold on root
+
+    def _hold(self) -> None:
+        """Rank 0, inside a save's or load's own first step: hold ``root`` for this job
+        (once; see [Note: one job per folder])."""
+        if self._holding is not None and self._holding.alive:
+            return
+        for gone in hold_folder(self.root, layout.new_token()):
+            warnings.warn(
+                f"ckpt: took over {self.root} from a job that is gone: {gone}", stacklevel=6
+            )
+        self._holding = weakref.finalize(self, let_go, self.root)
+
+    def close(self) -> None:
+        """Let go of ``root`` (rank 0's lease; a no-op on other ranks and when not held).
+
+        Waits for a running asynchronous save first. Another job may use the folder
+        afterwards; this manager takes it again at its next save or load."""
+        wait_pending()
+        if self._holding is not None:
+            self._holding()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
 
     def path(self, step: int) -> Path:
         """The directory of ``step``'s checkpoint (whether or not it exists)."""
@@ -113,7 +165,8 @@ class CheckpointManager:
 
     def _prune(self, saved: Path) -> None:
         """Rank 0, after committing ``saved`` (holding its lease): drop leftovers and
-        all but the newest ``keep_last`` checkpoints.
+        all but the newest ``keep_last`` checkpoints, never ``saved`` itself (a step
+        saved with ``allow_older=True`` may be older than those kept).
 
         Another writer may save into the same root (a job started twice): each
         leftover and each checkpoint is removed only under its own lease, so a save
@@ -162,29 +215,66 @@ class CheckpointManager:
         for step in steps:
             if step >= kept[-1]:
                 break
+            if self.path(step) == saved:
+                continue
             with _lease_or_none(self.path(step)) as lease:
                 if lease is not None:
                     layout.remove(self.path(step))
 
     def save(
-        self, step: int, state: Mapping[str, Any], *, overwrite: bool = False
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        *,
+        overwrite: bool = False,
+        allow_older: bool = False,
     ) -> CheckpointInfo:
-        """Save ``state`` as ``step`` and commit it, then prune; collective."""
-        return save(state, self.path(step), overwrite=overwrite, **self._save_options(step))
+        """Save ``state`` as ``step`` and commit it, then prune; collective.
+
+        ``step`` must be newer than the root's newest committed step: the newest itself
+        is replaced only with ``overwrite=True``, an older step is saved only with
+        ``allow_older=True`` (a run resumed from an older step on purpose), else
+        :class:`~ckpt.CheckpointExistsError` / :class:`~ckpt.OlderStepError`.
+        """
+        options = self._save_options(step, overwrite, allow_older)
+        return save(state, self.path(step), overwrite=overwrite, **options)
 
     def async_save(
-        self, step: int, state: Mapping[str, Any], *, overwrite: bool = False
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        *,
+        overwrite: bool = False,
+        allow_older: bool = False,
     ) -> AsyncSave:
-        """Save ``state`` as ``step`` in the background; prunes after it commits."""
-        return async_save(state, self.path(step), overwrite=overwrite, **self._save_options(step))
+        """Save ``state`` as ``step`` in the background; prunes after it commits. The
+        step is checked as by :meth:`save`, before ``async_save`` returns."""
+        options = self._save_options(step, overwrite, allow_older)
+        return async_save(state, self.path(step), overwrite=overwrite, **options)
 
-    def _save_options(self, step: int) -> dict[str, Any]:
+    def _save_options(self, step: int, overwrite: bool, allow_older: bool) -> dict[str, Any]:
+        path = self.path(step)  # validates the step on every rank
         return {
             "checksum": self.checksum,
             "key": self.key,
             "process_group": self.process_group,
-            "_on_commit": lambda: self._prune(self.path(step)),
+            "_on_prepare": self._before_save(step, overwrite, allow_older),
+            "_on_commit": lambda: self._prune(path),
         }
+
+    def _before_save(self, step: int, overwrite: bool, allow_older: bool) -> Callable[[], None]:
+        """Rank 0's checks inside the save's preparation: the folder's lease, then the
+        step against the newest committed one."""
+
+        def check() -> None:
+            self._hold()
+            newest = self.latest()
+            if newest is None or step > newest or (step == newest and overwrite):
+                return  # equal without overwrite: the save's own "exists" error
+            if step < newest and not allow_older:
+                raise OlderStepError(self.root, step, newest)
+
+        return check
 
     def wait(self) -> CheckpointInfo | None:
         """Wait for a running asynchronous save (see ``ckpt.wait_pending``)."""
@@ -224,6 +314,7 @@ class CheckpointManager:
         comm = Comm.of(self.process_group)
 
         def pick() -> int | None:
+            self._hold()
             leftovers = self.partial()
             if leftovers:
                 warnings.warn(

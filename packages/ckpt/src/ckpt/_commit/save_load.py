@@ -174,8 +174,13 @@ class _SaveTransaction:
         """The directory this save writes into."""
         return layout.partial_path(self.path, self.token)
 
-    def _take_lease(self, overwrite: bool) -> tuple[list[Path], str, layout.Occupant]:
-        """Rank 0: the lease, then the path's checks and the partial directory."""
+    def _take_lease(
+        self, overwrite: bool, before: Callable[[], None] | None
+    ) -> tuple[list[Path], str, layout.Occupant]:
+        """Rank 0: the caller's checks (``before``: a manager's), the lease, then the
+        path's checks and the partial directory."""
+        if before is not None:
+            before()
         layout.make_parent(self.path)
         token = self.token = layout.new_token()  # here too, for _abandon on rank 0
         self.lease, recovered = acquire(self.path, token)
@@ -197,14 +202,15 @@ class _SaveTransaction:
             self.lease.release()
             self.lease = None
 
-    def prepare(self, overwrite: bool) -> None:
-        """Rank 0 takes the lease, checks the path and creates the partial directory;
-        every rank learns the save's token (see [Note: one writer per checkpoint])."""
+    def prepare(self, overwrite: bool, before: Callable[[], None] | None = None) -> None:
+        """Rank 0 runs ``before``, takes the lease, checks the path and creates the
+        partial directory; every rank learns the save's token (see [Note: one writer per
+        checkpoint])."""
         self._expect(SaveState.NEW)
         try:
             with named_faults(self.call, self.path, self.comm, "preparing", self._abandon):
                 removed, self.token, self.expected = self.comm.run_on_coordinator(
-                    f"prepare a save to {self.path}", lambda: self._take_lease(overwrite)
+                    f"prepare a save to {self.path}", lambda: self._take_lease(overwrite, before)
                 )
         except BaseException:
             self.state = SaveState.FAILED
@@ -541,6 +547,7 @@ def save(
     checksum: str | Checksum | None = None,
     key: bytes | str | None = None,
     process_group: dist.ProcessGroup | None = None,
+    _on_prepare: Callable[[], None] | None = None,
     _on_commit: Callable[[], None] | None = None,
 ) -> CheckpointInfo:
     """Save ``state`` to ``path`` from every rank; the checkpoint appears atomically.
@@ -570,7 +577,7 @@ def save(
             peers(comm)
         state_dict, _ = to_state_dict(state, process_group)  # by reference, no collective
         tx = _SaveTransaction(target, comm, sum_kind, mac_key, state, call="save")
-        tx.prepare(overwrite)
+        tx.prepare(overwrite, _on_prepare)
         return tx.write(state_dict, _on_commit)
 
 
@@ -583,6 +590,7 @@ def async_save(
     checksum: str | Checksum | None = None,
     key: bytes | str | None = None,
     process_group: dist.ProcessGroup | None = None,
+    _on_prepare: Callable[[], None] | None = None,
     _on_commit: Callable[[], None] | None = None,
 ) -> AsyncSave:
     """Like ``save``, but return once this rank's state is copied to host memory.
@@ -613,7 +621,7 @@ def async_save(
             peers(comm)
         staged = stage(to_state_dict(state, group)[0])  # [Note: staging]
         tx = _SaveTransaction(target, comm, sum_kind, mac_key, state, call="async save")
-        tx.prepare(overwrite)
+        tx.prepare(overwrite, _on_prepare)
 
     def work() -> CheckpointInfo:
         with on_device(device):

@@ -24,6 +24,11 @@ Three rules keep every committed checkpoint whole, whatever the interleaving:
 Rule 1 gives the early, clear error; rules 2 and 3 hold even when it is bypassed (a
 lease file deleted by hand, two recoveries of one stale lease racing). The manager's
 pruning takes the lease of each checkpoint before it deletes it (``_commit/manager.py``).
+
+The same lease, on a whole folder and held for a job's lifetime, keeps a second job out
+of a ``CheckpointManager``'s folder ([Note: one job per folder] in
+``_format/job_lease.py``); it is renewed while the job runs (its file's mtime), so a
+lease from another host that stopped being renewed can be judged after all: it expired.
 """
 
 from __future__ import annotations
@@ -39,7 +44,15 @@ from pathlib import Path
 from ckpt._errors import CheckpointInUseError
 from ckpt._format.processes import ProcessId, state
 
-__all__ = ["Lease", "LeaseOwner", "acquire", "lease_file"]
+__all__ = [
+    "Lease",
+    "LeaseOwner",
+    "acquire",
+    "clock_time",
+    "lease_file",
+    "process_start_time",
+    "renewed_at",
+]
 
 # How many times a save tries to take a lease that keeps changing hands under it.
 _TRIES = 3
@@ -50,6 +63,23 @@ def lease_file(target: Path) -> Path:
     return target.parent / f".{target.name}.lease"
 
 
+def clock_time(seconds: float) -> str:
+    """``2026-01-01 12:00:00`` of a ``time.time()`` value, local time."""
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(seconds))
+
+
+def process_start_time() -> float:
+    """When this process started (``time.time()`` scale), from ``/proc``; now if unknown."""
+    try:
+        with open("/proc/self/stat", encoding="ascii", errors="replace") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat", encoding="ascii") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return time.time()
+
+
 @dataclass(frozen=True)
 class LeaseOwner:
     """Who holds a lease: the process, its save's token and since when (``time.time()``)."""
@@ -57,19 +87,22 @@ class LeaseOwner:
     process: ProcessId
     token: str
     since: float
+    started_at: float = 0.0  # when the owner process started (``time.time()``); 0: unknown
 
     def describe(self) -> str:
-        """``pid 123 on this host (save 1a2b..., since 2026-01-01 12:00:00)``."""
+        """``pid 123 on this host (save 1a2b..., since 2026-01-01 12:00:00)``, with the
+        process's start time when the lease records it."""
         if not self.process.host:
             return "an unknown writer (its lease file is unreadable)"
-        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.since))
-        return f"{self.process.describe()} (save {self.token}, since {when})"
+        started = f"started {clock_time(self.started_at)}, " if self.started_at else ""
+        since = clock_time(self.since)
+        return f"{self.process.describe()} ({started}save {self.token}, since {since})"
 
     def to_json(self) -> str:
         p = self.process
         return json.dumps(
             {"host": p.host, "pid": p.pid, "started": p.started, "token": self.token,
-             "since": self.since}
+             "since": self.since, "started_at": self.started_at}
         )  # fmt: skip
 
     @classmethod
@@ -85,7 +118,8 @@ class LeaseOwner:
         try:
             d = json.loads(text)
             process = ProcessId(str(d["host"]), int(d["pid"]), str(d["started"]))
-            return cls(process, str(d["token"]), float(d["since"]))
+            started_at = float(d.get("started_at", 0.0))
+            return cls(process, str(d["token"]), float(d["since"]), started_at)
         except (ValueError, KeyError, TypeError):
             return cls(ProcessId("", 0, ""), "", 0.0)
 
@@ -102,11 +136,44 @@ class Lease:
         self.file = file
         self.owner = owner
 
+    def held(self) -> bool:
+        """Whether the lease file still names this lease (nobody recovered it)."""
+        current = LeaseOwner.read(self.file)
+        return current is not None and current.token == self.owner.token
+
     def release(self) -> None:
         """Remove the lease file if it is still this save's (idempotent)."""
-        current = LeaseOwner.read(self.file)
-        if current is not None and current.token == self.owner.token:
+        if self.held():
             self.file.unlink(missing_ok=True)
+
+    def renew(self) -> bool:
+        """Mark the lease alive now (its file's mtime); False if it is no longer ours."""
+        if not self.held():
+            return False
+        with contextlib.suppress(FileNotFoundError):
+            os.utime(self.file)
+            return True
+        return False
+
+
+def renewed_at(file: Path) -> float | None:
+    """When the lease in ``file`` was last renewed (taken, or touched since); None if
+    there is no such file."""
+    try:
+        return file.stat().st_mtime
+    except OSError:
+        return None
+
+
+def _gone(owner: LeaseOwner, file: Path, expires_after: float | None) -> bool:
+    """Whether ``owner``'s lease may be taken over: its process is gone from this host,
+    or (``expires_after``) it was not renewed for that many seconds."""
+    if owner.process.host and state(owner.process) == "gone":
+        return True
+    if expires_after is None:
+        return False
+    renewed = renewed_at(file)
+    return renewed is not None and time.time() - renewed > expires_after
 
 
 def _place(source: Path, file: Path, text: str) -> None:
@@ -149,15 +216,23 @@ def _remove_stale(file: Path, stale: LeaseOwner, token: str) -> None:
     grave.unlink(missing_ok=True)
 
 
-def acquire(target: Path, token: str) -> tuple[Lease, list[LeaseOwner]]:
+def acquire(
+    target: Path,
+    token: str,
+    *,
+    file: Path | None = None,
+    expires_after: float | None = None,
+) -> tuple[Lease, list[LeaseOwner]]:
     """Take the lease on ``target`` for the save ``token`` (rank 0, before writing).
 
     Returns the lease and the owners of stale leases it recovered (gone processes of
-    this host), for the caller to report. Raises :class:`CheckpointInUseError` when a
-    live (or unknowable) writer holds it. The target's parent must exist.
+    this host; with ``expires_after``, leases not renewed for that many seconds), for
+    the caller to report. Raises :class:`CheckpointInUseError` when a live (or
+    unknowable) writer holds it. ``file`` is the lease file (default
+    :func:`lease_file`); its folder must exist.
     """
-    file = lease_file(target)
-    owner = LeaseOwner(ProcessId.this(), token, time.time())
+    file = lease_file(target) if file is None else file
+    owner = LeaseOwner(ProcessId.this(), token, time.time(), process_start_time())
     text = owner.to_json()
     source = file.with_name(f"{file.name}.{token}.tmp")
     source.write_text(text, encoding="utf-8")
@@ -172,7 +247,7 @@ def acquire(target: Path, token: str) -> tuple[Lease, list[LeaseOwner]]:
             other = LeaseOwner.read(file)
             if other is None:
                 continue  # released meanwhile
-            if not other.process.host or state(other.process) != "gone":
+            if not _gone(other, file, expires_after):
                 raise CheckpointInUseError(target, other.describe(), file)
             _remove_stale(file, other, token)
             recovered.append(other)
