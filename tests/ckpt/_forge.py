@@ -62,3 +62,14 @@ def forge_metadata(path: Path, marker: Path, *, rehash: bool = True) -> None:
     meta.write_bytes(fragment(marker) + meta.read_bytes())
     if rehash and (path / ckpt.MANIFEST_NAME).exists():
         rehash_manifest(path)
+
+
+def drop_index(path: Path) -> None:
+    """Make ``path`` a checkpoint of ckpt before the index (``ckpt-index.bin``): loads
+    then read DCP's ``.metadata`` through DCP's planner. The manifest is rewritten as a
+    forger (or that older ckpt) would have it."""
+    (path / "ckpt-index.bin").unlink()
+    manifest_path = path / ckpt.MANIFEST_NAME
+    body = json.loads(manifest_path.read_text())
+    body["files"] = [f for f in body["files"] if f["name"] != "ckpt-index.bin"]
+    manifest_path.write_text(json.dumps(body, indent=1, sort_keys=True) + "\n")

@@ -76,31 +76,31 @@ def _equal(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 
 class _Hold:
-    """Holds every background save inside DCP's write step until ``release()``."""
+    """Holds every background save inside its write until ``release()``."""
 
     def __init__(self) -> None:
-        from ckpt._format import writer
+        from ckpt._commit import save_load
 
-        self._writer = writer.CheckpointWriter
-        self._original = self._writer.write_data
+        self._module = save_load
+        self._original = save_load.write_data_file
         self.reached = threading.Event()
         self._gate = threading.Event()
         original, reached, gate = self._original, self.reached, self._gate
 
-        def held(writer: Any, plan: Any, planner: Any) -> Any:
+        def held(*args: Any) -> Any:
             reached.set()
             if not gate.wait(GATE_S):
                 raise RuntimeError("the test never released the held save")
-            return original(writer, plan, planner)
+            return original(*args)
 
-        self._writer.write_data = held  # type: ignore[method-assign]
+        save_load.write_data_file = held  # type: ignore[assignment]
 
     def release(self) -> None:
         self._gate.set()
 
     def undo(self) -> None:
         self._gate.set()
-        self._writer.write_data = self._original  # type: ignore[method-assign]
+        self._module.write_data_file = self._original  # type: ignore[assignment]
 
 
 def _staged_pointers() -> tuple[list[set[int]], Any]:

@@ -178,7 +178,7 @@ def test_json_on_every_subcommand_with_real_values(
     assert checked.returncode == 0, checked.stderr
     report = _json(checked)
     assert report["ok"] is True and report["kind"] == "ckpt" and report["problems"] == []
-    assert report["files"] == 2 and report["checksum"] == "crc32"
+    assert report["files"] == 3 and report["checksum"] == "crc32"  # data, .metadata, index
 
     exported = _main(
         capsys, "export", "--json", saved / "plain", "--to", tmp_path / "w.safetensors", "-q"

@@ -75,12 +75,12 @@ def test_save_and_load_run_with_the_models_device_current(
     monkeypatch.setattr(torch.cuda, "device", device)
     monkeypatch.setattr(save_load, "device_of", lambda state: CUDA3)
     monkeypatch.setattr(save_load, "to_state_dict", watch("state", save_load.to_state_dict))
-    monkeypatch.setattr(save_load, "dcp_load", watch("dcp_load", save_load.dcp_load))
+    monkeypatch.setattr(save_load, "read_chunks", watch("read", save_load.read_chunks))
     monkeypatch.setattr(save_load, "_open_checkpoint", watch("open", save_load._open_checkpoint))
     model = nn.Linear(2, 2)
     ckpt.save({"model": model}, tmp_path / "c")
     ckpt.load({"model": model}, tmp_path / "c")
-    assert [n for n, _ in seen] == ["state", "open", "state", "dcp_load"]
+    assert [n for n, _ in seen] == ["state", "open", "state", "read"]
     assert all(d == CUDA3 for _, d in seen), seen
     assert current[0] is None  # restored afterwards
 

@@ -120,8 +120,9 @@ def test_ddp_round_trip(tmp_path: Path, world_size: int) -> None:
     first = results[0]
     assert all(r["files"] == first["files"] for r in results)
     assert first["world_size"] == world_size
-    # Every rank wrote a data file of its own (DCP spreads replicated tensors).
-    assert first["files"] == [".metadata"] + [f"__{r}_0.distcp" for r in range(world_size)]
+    # Every rank wrote a data file of its own (the plan spreads replicated tensors).
+    ranks_files = [f"__{r}_0.distcp" for r in range(world_size)]
+    assert first["files"] == [".metadata", *ranks_files, "ckpt-index.bin"]
 
     # The DDP checkpoint loads into a plain model in this process, and on resumes.
     model = make_model(7)
@@ -176,5 +177,5 @@ def _rank_load_sharded(path: str) -> None:
 
 def test_sharded_and_rank_unique_state_reshards_from_2_to_4_ranks(tmp_path: Path) -> None:
     files = run_ranks(_rank_save_sharded, 2, str(tmp_path / "c"))[0]
-    assert files == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert files == [".metadata", "__0_0.distcp", "__1_0.distcp", "ckpt-index.bin"]
     run_ranks(_rank_load_sharded, 4, str(tmp_path / "c"))

@@ -30,9 +30,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 import ckpt
+from ckpt._commit import save_load
 from ckpt._format import layout
-from ckpt._format.safe_unpickling import SafeFileSystemReader
-from ckpt._format.writer import CheckpointWriter
 from tests.fsdp._common import Block, make_net
 from tests.ranks import RankFailure, run_ranks
 
@@ -73,11 +72,11 @@ def _rank_fault(front: str, op: str, how: str, root: str, result_file: str) -> N
             p.add_(1.0)  # a damaged step 1 would show
     if rank == 1:
         if op == "load":
-            read = SafeFileSystemReader.read_data
-            SafeFileSystemReader.read_data = lambda *a: (_fault(how), read(*a))[1]  # type: ignore[method-assign]
+            read = save_load.read_chunks
+            save_load.read_chunks = lambda *a: (_fault(how), read(*a))[1]  # type: ignore[assignment]
         else:
-            write = CheckpointWriter.write_data
-            CheckpointWriter.write_data = lambda *a: (_fault(how), write(*a))[1]  # type: ignore[method-assign]
+            write = save_load.write_data_file
+            save_load.write_data_file = lambda *a: (_fault(how), write(*a))[1]  # type: ignore[assignment]
     state = {"model": model}
     start = time.monotonic()
     error: BaseException | None = None

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 import ckpt
 from ckpt._format import safe_unpickling
 from tests.ckpt._common import assert_same, make_model, make_optimizer, params, train_step
-from tests.ckpt._forge import Payload, forge_metadata, rehash_manifest
+from tests.ckpt._forge import Payload, drop_index, forge_metadata, rehash_manifest
 from tests.ranks import run_ranks
 
 KEY = b"0123456789abcdef-test-key"
@@ -40,21 +40,29 @@ def _saved(path: Path, **extra: object) -> torch.nn.Module:
 
 def test_forged_metadata_runs_code_in_torch_but_not_in_ckpt(tmp_path: Path) -> None:
     path, marker = tmp_path / "c", tmp_path / "ran"
-    _saved(path)
+    saved = _saved(path)
     forge_metadata(path, marker)
     # The forgery is live: torch's own reader runs it and returns the genuine metadata.
     FileSystemReader(path).read_metadata()
     assert marker.is_dir()
     marker.rmdir()
 
+    # ckpt's load reads the index, never DCP's pickle; verify checks the pickle.
+    model = make_model(1)
+    ckpt.load({"model": model}, path)
+    assert_same(params(model), params(saved))
+    with pytest.raises(ckpt.UnsafeCheckpointError, match=r"posix\.mkdir|os\.mkdir") as info:
+        ckpt.verify(path)
+    assert info.value.item == ".metadata"
+    # Without an index (a checkpoint of an older ckpt), the load reads the pickle: refused.
+    drop_index(path)
+    rehash_manifest(path)
     model = make_model(1)
     with pytest.raises(ckpt.UnsafeCheckpointError, match=r"posix\.mkdir|os\.mkdir") as info:
         ckpt.load({"model": model}, path)
     assert info.value.item == ".metadata"
     with pytest.raises(ckpt.UnsafeCheckpointError):
         ckpt.load({"model": model}, path, verify=False)
-    with pytest.raises(ckpt.UnsafeCheckpointError):
-        ckpt.verify(path)
     assert not marker.exists()
     assert_same(params(model), params(make_model(1)))  # nothing loaded
 
@@ -92,6 +100,7 @@ def test_allow_list_admits_only_what_is_named(tmp_path: Path) -> None:
 def test_broken_metadata_is_a_checkpoint_error(tmp_path: Path) -> None:
     path = tmp_path / "c"
     _saved(path)
+    drop_index(path)  # the load reads .metadata only without an index
     meta = path / ".metadata"
     good = meta.read_bytes()
     for bad in (good[: len(good) // 2], b"", pickle.dumps({"not": "metadata"}), good + b"x"):
@@ -103,9 +112,29 @@ def test_broken_metadata_is_a_checkpoint_error(tmp_path: Path) -> None:
             ckpt.verify(path)
 
 
+def test_broken_index_is_a_checkpoint_error(tmp_path: Path) -> None:
+    path = tmp_path / "c"
+    _saved(path)
+    index = path / "ckpt-index.bin"
+    good = index.read_bytes()
+    for bad in (good[: len(good) // 2], b"", b"CKI1" + good[4:40], good[:-8]):
+        index.write_bytes(bad)
+        rehash_manifest(path)
+        model = make_model(1)
+        with pytest.raises(ckpt.CorruptCheckpointError, match=r"ckpt-index\.bin: unreadable"):
+            ckpt.load({"model": model}, path)
+        assert_same(params(model), params(make_model(1)))  # nothing loaded
+
+
 def test_data_file_outside_the_checkpoint_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "c"
     _saved(path)
+    index = path / "ckpt-index.bin"
+    index.write_bytes(index.read_bytes().replace(b"__0_0.distcp", b"../_0.distcp"))
+    rehash_manifest(path)
+    with pytest.raises(ckpt.UnsafeCheckpointError, match=r"\.\./_0\.distcp"):
+        ckpt.load({"model": make_model(1)}, path)
+    drop_index(path)
     md = FileSystemReader(path).read_metadata()
     for info in md.storage_data.values():
         info.relative_path = "../elsewhere.distcp"
@@ -115,11 +144,16 @@ def test_data_file_outside_the_checkpoint_is_refused(tmp_path: Path) -> None:
         ckpt.load({"model": make_model(1)}, path)
 
 
-def test_metadata_is_unpickled_once_per_load(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("indexed", [True, False])
+def test_metadata_is_unpickled_at_most_once_per_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, indexed: bool
 ) -> None:
+    """With an index, a load unpickles no metadata at all; without, once per rank."""
     path = tmp_path / "c"
     model = _saved(path)
+    if not indexed:
+        drop_index(path)
+        rehash_manifest(path)
     calls = []
     real = safe_unpickling._MetadataUnpickler.load
 
@@ -131,7 +165,7 @@ def test_metadata_is_unpickled_once_per_load(
     monkeypatch.setattr(pickle, "load", lambda *a, **k: pytest.fail("unrestricted unpickling"))
     fresh = make_model(1)
     ckpt.load({"model": fresh, "optim": make_optimizer(fresh)}, path)
-    assert len(calls) == 1
+    assert len(calls) == (0 if indexed else 1)
     assert_same(params(fresh), params(model))
 
 
@@ -202,6 +236,7 @@ def _load_forged_rank(path: str) -> str:
 def test_forged_checkpoint_refused_on_every_rank(tmp_path: Path, world_size: int) -> None:
     path, marker = tmp_path / "c", tmp_path / "ran"
     _saved(path)
+    drop_index(path)  # the load reads .metadata only without an index
     forge_metadata(path, marker)
     out = run_ranks(_load_forged_rank, world_size, str(path))
     assert out == [f"{r}:.metadata" for r in range(world_size)]

@@ -27,9 +27,9 @@ import torch
 import torch.distributed as dist
 
 import ckpt
+from ckpt._commit import save_load
 from ckpt._format.lease import LeaseOwner, acquire, lease_file
 from ckpt._format.processes import ProcessId
-from ckpt._format.writer import CheckpointWriter
 from tests.ckpt._common import assert_same, linear, make_model, params
 from tests.ranks import run_ranks
 
@@ -105,16 +105,16 @@ def test_stale_lease_is_recovered_and_a_foreign_one_reported(tmp_path: Path) -> 
 def _during_write(monkeypatch: pytest.MonkeyPatch, other: Callable[[], None]) -> None:
     """Run ``other`` once, inside the next save's write (its lease held, files half
     written)."""
-    write = CheckpointWriter.write_data
+    write = save_load.write_data_file
     calls: list[int] = []
 
-    def write_data(self: CheckpointWriter, *args: Any) -> Any:
+    def write_data_file(*args: Any) -> Any:
         if not calls:
             calls.append(1)
             other()
-        return write(self, *args)
+        return write(*args)
 
-    monkeypatch.setattr(CheckpointWriter, "write_data", write_data)
+    monkeypatch.setattr(save_load, "write_data_file", write_data_file)
 
 
 def _another_writer_ignoring_the_lease(tmp_path: Path, target: Path, theirs: Any) -> None:

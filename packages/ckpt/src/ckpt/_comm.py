@@ -46,6 +46,7 @@ from fsdp import FullyShardedDataParallel
 
 __all__ = [
     "Comm",
+    "SharedFailure",
     "async_group",
     "backend_failures",
     "device_of",
@@ -143,17 +144,18 @@ class Comm:
                 failure = e
         payload: Any = result
         if failure is not None:
-            payload = _Failure(failure)
+            payload = SharedFailure(failure)
         shared = self.broadcast(payload)
         if failure is not None:
             raise failure
-        if isinstance(shared, _Failure):
+        if isinstance(shared, SharedFailure):
             raise shared.rebuild(what)
         return shared  # type: ignore[no-any-return]
 
 
-class _Failure:
-    """Rank 0's exception on its way to the other ranks."""
+class SharedFailure:
+    """A rank's exception on its way to the other ranks: its pickle where it has one
+    (ckpt's errors do), its text where not."""
 
     def __init__(self, error: Exception) -> None:
         self.text = f"{type(error).__name__}: {error}"

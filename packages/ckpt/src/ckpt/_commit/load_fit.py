@@ -14,6 +14,7 @@ Pure functions of key -> shape maps, so the rules are tested without files or ra
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,17 +24,23 @@ import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from ckpt._errors import ShapeMismatch, StateDictMismatchError
+from ckpt._errors import CheckpointError, ShapeMismatch, StateDictMismatchError
+from ckpt._format.chunk_index import ChunkIndex
+from ckpt._format.chunk_table import BYTES
 from ckpt._format.flat_pieces import FlatPieces
 
 __all__ = [
+    "PackedFit",
     "RankFit",
+    "SavedKeys",
     "combine_fits",
     "fit_rank",
     "local_dtypes",
     "local_shapes",
+    "pack_fit",
     "saved_dtypes",
     "saved_shapes",
+    "unpack_fits",
 ]
 
 # Shape of a tensor entry; None for a plain (pickled) object.
@@ -74,6 +81,29 @@ def saved_dtypes(metadata: Metadata) -> dict[str, torch.dtype]:
         for key, md in metadata.state_dict_metadata.items()
         if isinstance(md, TensorStorageMetadata)
     }
+
+
+@dataclass(frozen=True)
+class SavedKeys:
+    """A checkpoint's keys with their global shapes (None: a pickled value) and the
+    dtypes of its tensors, from its index or from DCP's metadata."""
+
+    shapes: dict[str, Shape]
+    dtypes: dict[str, torch.dtype]
+
+    @classmethod
+    def of_metadata(cls, metadata: Metadata) -> SavedKeys:
+        return cls(saved_shapes(metadata), saved_dtypes(metadata))
+
+    @classmethod
+    def of_index(cls, index: ChunkIndex) -> SavedKeys:
+        shapes: dict[str, Shape] = {}
+        dtypes: dict[str, torch.dtype] = {}
+        for key, saved in index.keys.items():
+            shapes[key] = None if saved.kind == BYTES else saved.shape
+            if saved.dtype is not None:
+                dtypes[key] = saved.dtype
+        return cls(shapes, dtypes)
 
 
 # A key of an FSDP LOCAL_STATE_DICT: the flat parameter itself.
@@ -190,3 +220,45 @@ def combine_fits(
 
 def _keys_in(keys: Sequence[str], entries: Sequence[str]) -> int:
     return sum(1 for k in keys if _entry_of(k, entries))
+
+
+@dataclass(frozen=True)
+class PackedFit:
+    """A rank's fit as the ranks exchange it: ``not_needed`` as a bitmask over the
+    checkpoint's sorted keys (one bit per key, not one string: the keys of a sharded
+    optimizer's state each rank lacks number in the thousands), or the error it met."""
+
+    fit: RankFit | CheckpointError
+    not_needed: bytes
+
+
+def _sorted_keys(saved: SavedKeys | None) -> list[str]:
+    return sorted(saved.shapes) if saved is not None else []
+
+
+def pack_fit(fit: RankFit | CheckpointError, saved: SavedKeys | None) -> PackedFit:
+    """``fit`` ready to be sent (see :class:`PackedFit`)."""
+    if isinstance(fit, CheckpointError):
+        return PackedFit(fit, b"")
+    keys = _sorted_keys(saved)
+    mask = 0
+    for i, key in enumerate(keys):
+        if key in fit.not_needed:
+            mask |= 1 << i
+    packed = mask.to_bytes((len(keys) + 7) // 8, "little")
+    return PackedFit(dataclasses.replace(fit, not_needed=frozenset()), packed)
+
+
+def unpack_fits(packed: Sequence[PackedFit], saved: SavedKeys | None) -> list[RankFit]:
+    """The ranks' fits for :func:`combine_fits`, from what they sent (no errors among
+    them: the caller raised those). Only the keys no rank needs matter, so each fit
+    carries those."""
+    fits = [p for p in packed if isinstance(p.fit, RankFit)]
+    keys = _sorted_keys(saved)
+    common = -1
+    for p in fits:
+        common &= int.from_bytes(p.not_needed, "little")
+    nobody = frozenset(k for i, k in enumerate(keys) if fits and common >> i & 1)
+    return [
+        dataclasses.replace(p.fit, not_needed=nobody) for p in fits if isinstance(p.fit, RankFit)
+    ]

@@ -41,18 +41,26 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from ckpt._comm import Comm, async_group, device_of, in_phase, on_device
+from ckpt._comm import Comm, SharedFailure, async_group, device_of, in_phase, on_device
 from ckpt._commit.agreement import check_ranks_agree
 from ckpt._commit.load_fit import (
     RankFit,
+    SavedKeys,
     combine_fits,
     fit_rank,
     local_dtypes,
     local_shapes,
-    saved_dtypes,
-    saved_shapes,
+    pack_fit,
+    unpack_fits,
 )
 from ckpt._commit.peer_faults import named_faults, peers, waited_for_commit
+from ckpt._commit.save_rounds import (
+    Decision,
+    PlanMemo,
+    Proposal,
+    WriteReport,
+    capture_problems,
+)
 from ckpt._commit.staging import stage
 from ckpt._errors import (
     CheckpointError,
@@ -63,7 +71,17 @@ from ckpt._errors import (
     UnsafeCheckpointError,
 )
 from ckpt._format import layout
-from ckpt._format.disk_space import disk_full, found_disk_full, is_disk_full, rank_failures
+from ckpt._format.chunk_index import INDEX_NAME, ChunkIndex, data_file_name, read_index
+from ckpt._format.chunk_reader import read_chunks, readable
+from ckpt._format.chunk_table import LocalItems, local_items
+from ckpt._format.data_file import write_data_file, write_small_file
+from ckpt._format.disk_space import (
+    check_space,
+    disk_full,
+    found_disk_full,
+    is_disk_full,
+    rank_failures,
+)
 from ckpt._format.file_checks import check_file_set, listed_files, verify_files
 from ckpt._format.lease import Lease, acquire
 from ckpt._format.manifest import (
@@ -79,6 +97,7 @@ from ckpt._format.manifest import (
     write_manifest,
 )
 from ckpt._format.safe_unpickling import (
+    METADATA_NAME,
     SafeFileSystemReader,
     SafeGlobals,
     SafeLoadPlanner,
@@ -141,7 +160,10 @@ class _SaveTransaction:
     token: str  # this save's: its partial directory's name ([Note: one writer per checkpoint])
     expected: layout.Occupant  # what was committed at path when the save began
     lease: Lease | None  # rank 0's, from prepare until the commit or the failure
-    step: str  # where DCP is ([Note: naming a fault inside a checkpoint])
+    step: str  # where the save is ([Note: naming a fault inside a checkpoint])
+    dcp: bool  # written through DCP's own planner (a value only it knows)
+    writes: tuple[int, ...]  # this rank's rows of its table to write
+    fingerprint: str  # of this rank's table, as planned
 
     def __init__(
         self,
@@ -165,6 +187,9 @@ class _SaveTransaction:
         self.expected = None
         self.lease = None
         self.step = "preparing"
+        self.dcp = False
+        self.writes = ()
+        self.fingerprint = ""
 
     def _expect(self, *states: SaveState) -> None:
         assert self.state in states, f"save to {self.path} is {self.state}, expected {states}"
@@ -202,26 +227,81 @@ class _SaveTransaction:
             self.lease.release()
             self.lease = None
 
-    def prepare(self, overwrite: bool, before: Callable[[], None] | None = None) -> None:
-        """Rank 0 runs ``before``, takes the lease, checks the path and creates the
-        partial directory; every rank learns the save's token (see [Note: one writer per
-        checkpoint])."""
+    def prepare(
+        self, overwrite: bool, items: LocalItems, before: Callable[[], None] | None = None
+    ) -> None:
+        """Round 1 of [Note: flat coordination]: every rank's table (or fingerprint) to
+        rank 0, which runs ``before``, takes the lease, checks the path, creates the
+        partial directory and plans; every rank learns the save's token and its rows to
+        write (see [Note: one writer per checkpoint])."""
         self._expect(SaveState.NEW)
+        memo = PlanMemo.of(self.comm)
+        decision = Decision(resend=True)
         try:
             with named_faults(self.call, self.path, self.comm, "preparing", self._abandon):
-                removed, self.token, self.expected = self.comm.run_on_coordinator(
-                    f"prepare a save to {self.path}", lambda: self._take_lease(overwrite, before)
-                )
+                for attempt in (False, True):  # a second time only if rank 0 lost a table
+                    proposal = memo.propose(items, resend=attempt)
+                    decision = self._round_one(proposal, overwrite, before, memo)
+                    if not decision.resend:
+                        break
         except BaseException:
             self.state = SaveState.FAILED
             raise
-        if removed and self.comm.is_coordinator:
+        memo.adopt(decision, self.comm.rank, proposal.fingerprint)
+        self.token, self.expected, self.dcp = decision.token, decision.expected, decision.dcp
+        self.writes = memo.writes
+        self.fingerprint = proposal.fingerprint
+        if decision.removed and self.comm.is_coordinator:
             warnings.warn(
-                f"ckpt: removed {', '.join(map(str, removed))}, left by an earlier save to "
-                f"{self.path} that was interrupted before its commit",
+                f"ckpt: removed {', '.join(map(str, decision.removed))}, left by an earlier "
+                f"save to {self.path} that was interrupted before its commit",
                 stacklevel=3,
             )
         self.state = SaveState.PREPARED
+
+    def _round_one(
+        self,
+        proposal: Proposal,
+        overwrite: bool,
+        before: Callable[[], None] | None,
+        memo: PlanMemo,
+    ) -> Decision:
+        proposals = self.comm.gather(proposal)
+        return self.comm.run_on_coordinator(
+            f"prepare a save to {self.path}",
+            lambda: self._decide(proposals, overwrite, before, memo),
+        )
+
+    def _decide(
+        self,
+        proposals: list[Proposal] | None,
+        overwrite: bool,
+        before: Callable[[], None] | None,
+        memo: PlanMemo,
+    ) -> Decision:
+        """Rank 0's part of round 1 (see :meth:`prepare`); what it raises, every rank
+        raises, and nothing of it is left."""
+        assert proposals is not None
+        problems = capture_problems(proposals)
+        if problems is not None:
+            raise problems
+        dcp = any(p.foreign for p in proposals)
+        planned = None if dcp else memo.plan(proposals)
+        if not dcp and planned is None:
+            return Decision(resend=True)
+        removed, token, expected = self._take_lease(overwrite, before)
+        try:
+            if planned is None:
+                return Decision(tuple(removed), token, expected, dcp=True)
+            plan_id, plan, new = planned
+            check_space(self.path, plan.nbytes, at=self.partial)  # [Note: naming a full disk]
+        except BaseException:
+            shutil.rmtree(self.partial, ignore_errors=True)
+            self._release()
+            raise
+        return Decision(
+            tuple(removed), token, expected, plan_id=plan_id, writes=plan.writes if new else None
+        )
 
     def _abandon(self) -> str:
         """After a peer failed: rank 0 removes what this save wrote and gives up the
@@ -257,12 +337,108 @@ class _SaveTransaction:
     def write(
         self, state_dict: dict[str, Any], on_commit: Callable[[], None] | None = None
     ) -> CheckpointInfo:
-        """Every rank writes its shards into the partial directory (DCP, in parallel);
-        rank 0 commits in DCP's last step, then runs ``on_commit``.
+        """Every rank writes its rows into the partial directory, in parallel; rank 0
+        commits once all are written, then runs ``on_commit`` (round 2 of [Note: flat
+        coordination]; through DCP's planner when a value only it knows is saved).
 
         Every rank returns only after rank 0 committed and ran ``on_commit``.
         """
         self._expect(SaveState.PREPARED)
+        if not self.dcp:
+            return self._write_flat(state_dict, on_commit)
+        return self._write_dcp(state_dict, on_commit)
+
+    def _write_flat(
+        self, state_dict: dict[str, Any], on_commit: Callable[[], None] | None
+    ) -> CheckpointInfo:
+        memo = PlanMemo.of(self.comm)
+        partial = self.partial
+        self.step = "writing"
+        report: WriteReport
+        try:
+            items = local_items(state_dict)
+            if items.table.fingerprint() != self.fingerprint:
+                raise CheckpointError(
+                    f"the state written to {self.path} changed its keys or shapes between "
+                    f"the save's planning and its write"
+                )
+            values = [items.values[row] for row in self.writes]
+            name = data_file_name(self.comm.rank)
+            stored, record = write_data_file(partial / name, values, self.checksum)
+            report = memo.report(stored, record)
+        except Exception as e:
+            memo.forget_reports()
+            report = WriteReport("", None, None, SharedFailure(e))
+        try:
+            with named_faults(self.call, self.path, self.comm, self._failed_step, self._abandon):
+                reports = self.comm.gather(report)
+                manifest = self.comm.run_on_coordinator(
+                    f"commit {self.path}", lambda: self._commit_flat(reports, on_commit, memo)
+                )
+        except BaseException:
+            self.state = SaveState.FAILED
+            memo.forget_reports()
+            if not self.comm.distributed:
+                shutil.rmtree(partial, ignore_errors=True)
+                self._release()
+            raise
+        self.manifest = manifest
+        self.state = SaveState.COMMITTED
+        return CheckpointInfo(self.path, manifest)
+
+    def _commit_flat(
+        self,
+        reports: list[WriteReport] | None,
+        on_commit: Callable[[], None] | None,
+        memo: PlanMemo,
+    ) -> Manifest:
+        """Rank 0, once every rank reported: the ``.metadata``, the index and the
+        manifest, the rename, ``on_commit``; or, after any failure, nothing left."""
+        assert reports is not None
+        self.step = "commit"
+        partial = self.partial
+        needed = memo.coordinated.plan.nbytes if memo.coordinated is not None else None
+        try:
+            failed = [(rank, r.failure) for rank, r in enumerate(reports) if r.failure]
+            if failed:
+                raise self._write_failure(failed, needed)
+            metadata, index = memo.built(reports)
+            records = [r.record for r in reports if r.record is not None]
+            records.append(write_small_file(partial / METADATA_NAME, metadata, self.checksum))
+            records.append(write_small_file(partial / INDEX_NAME, index, self.checksum))
+            return self._seal(records, on_commit)
+        except BaseException as e:
+            if self.state is not SaveState.COMMITTED:
+                shutil.rmtree(partial, ignore_errors=True)
+            self._release()
+            if is_disk_full(e) and not isinstance(e, DiskFullError):
+                raise disk_full(self.path, needed) from e  # measured after the cleanup
+            raise
+
+    def _write_failure(
+        self, failed: list[tuple[int, SharedFailure]], needed: int | None
+    ) -> Exception:
+        """The error every rank raises for ranks whose writes failed (rank 0, after
+        removing the partial directory: the free bytes a full disk reports are then a
+        retry's)."""
+        errors = [f.rebuild(f"write {self.path}") for _, f in failed]
+        shutil.rmtree(self.partial, ignore_errors=True)
+        for error in errors:
+            if isinstance(error, (DiskFullError, CheckpointInUseError)):
+                return error
+        for error in errors:
+            if is_disk_full(error):
+                full = disk_full(self.path, needed)
+                full.__cause__ = error  # the rank's own OS error
+                return full
+        causes = "; ".join(f"rank {rank}: {f.text}" for rank, f in failed)
+        return CheckpointError(f"failed to write {self.path}: {causes}")
+
+    def _write_dcp(
+        self, state_dict: dict[str, Any], on_commit: Callable[[], None] | None
+    ) -> CheckpointInfo:
+        """The save through DCP's own planner and writer (a ``ShardedTensor`` or another
+        value only DCP knows is in the state)."""
         partial = self.partial
         writer = CheckpointWriter(
             partial,
@@ -577,7 +753,7 @@ def save(
             peers(comm)
         state_dict, _ = to_state_dict(state, process_group)  # by reference, no collective
         tx = _SaveTransaction(target, comm, sum_kind, mac_key, state, call="save")
-        tx.prepare(overwrite, _on_prepare)
+        tx.prepare(overwrite, local_items(state_dict), _on_prepare)
         return tx.write(state_dict, _on_commit)
 
 
@@ -619,9 +795,11 @@ def async_save(
         with named_faults("async save", target, comm, "agreement", _nothing_written):
             check_ranks_agree("ckpt.async_save", comm, target, options)
             peers(comm)
-        staged = stage(to_state_dict(state, group)[0])  # [Note: staging]
+        live = to_state_dict(state, group)[0]
+        items = local_items(live)  # planned now; written from the copy
+        staged = stage(live)  # [Note: staging]
         tx = _SaveTransaction(target, comm, sum_kind, mac_key, state, call="async save")
-        tx.prepare(overwrite, _on_prepare)
+        tx.prepare(overwrite, items, _on_prepare)
 
     def work() -> CheckpointInfo:
         with on_device(device):
@@ -701,6 +879,57 @@ def verify(
     return manifest
 
 
+def _read_indexed(
+    source: Path,
+    index: ChunkIndex,
+    state_dict: dict[str, Any],
+    safe_globals: SafeGlobals,
+    comm: Comm,
+) -> None:
+    """Every rank reads what it needs by the index; one rank's failure is every rank's
+    ([Note: one decision, every rank])."""
+    failure = None
+    try:
+        read_chunks(source, index, state_dict, safe_globals)
+    except Exception as e:
+        failure = SharedFailure(e)
+    for rank, found in enumerate(comm.all_gather(failure)):
+        if found is None:
+            continue
+        error = found.rebuild(f"read {source}")
+        if isinstance(error, CheckpointError):
+            raise error
+        raise CheckpointError(f"failed to read {source}: rank {rank}: {found.text}")
+
+
+def _read_through_dcp(
+    source: Path,
+    reader: SafeFileSystemReader,
+    state_dict: dict[str, Any],
+    safe_globals: SafeGlobals,
+    comm: Comm,
+    *,
+    strict: bool,
+) -> None:
+    """DCP's load, through ckpt's safe reader and planner (a checkpoint without an
+    index, or a value only DCP's planner fills)."""
+    try:
+        if not comm.distributed:
+            _quiet_single_process()
+        dcp_load(
+            state_dict,
+            storage_reader=reader,
+            planner=SafeLoadPlanner(source, safe_globals, allow_partial_load=not strict),
+            process_group=comm.group,
+            no_dist=not comm.distributed,
+        )
+    except CheckpointException as e:
+        for exc, _ in e.failures.values():
+            if isinstance(exc, UnsafeCheckpointError):
+                raise exc from None
+        raise _dcp_failure(f"read {source}", e) from e
+
+
 @in_phase("load")
 def load(
     state: Mapping[str, Any],
@@ -746,39 +975,36 @@ def load(
             manifest = _open_checkpoint(source, comm, verify, _as_key(key))
         state_dict, ctx = to_state_dict(state, process_group, manifest, loading=True)
         reader = SafeFileSystemReader(source)
+        index: ChunkIndex | None = None
+        saved: SavedKeys | None = None
         try:
-            metadata = reader.read_metadata()
-            adopt_saved_names(state_dict, state, ctx.module_for, metadata.state_dict_metadata)
-            dtypes = (local_dtypes(state_dict), saved_dtypes(metadata))
+            if manifest is not None and INDEX_NAME in {f.name for f in manifest.files}:
+                index = read_index(source)  # [Note: flat coordination]
+                saved = SavedKeys.of_index(index)
+            else:  # torch's checkpoint, or ckpt's from before the index
+                saved = SavedKeys.of_metadata(reader.read_metadata())
+            adopt_saved_names(state_dict, state, ctx.module_for, saved.shapes)
+            dtypes = (local_dtypes(state_dict), saved.dtypes)
             fit: RankFit | CheckpointError = fit_rank(
-                local_shapes(state_dict), saved_shapes(metadata), list(state), dtypes
+                local_shapes(state_dict), saved.shapes, list(state), dtypes
             )
         except CheckpointError as e:
             fit = e
-        step = ["planning"]  # DCP's plan, then its reads ([Note: naming a fault ...])
+        direct = index is not None and readable(state_dict)
+        step = ["planning"]  # the plan, then the reads ([Note: naming a fault ...])
         with named_faults("load", source, comm, lambda e: step[0], _partly_read):
-            fits = comm.all_gather(fit)
-            for rank_fit in fits:  # the same files on every rank: normally all or none fail
-                if isinstance(rank_fit, CheckpointError):
-                    raise rank_fit
-            error = combine_fits(source, [f for f in fits if isinstance(f, RankFit)], strict)
+            fits = comm.all_gather((pack_fit(fit, saved), direct))
+            for packed, _ in fits:  # the same files on every rank: normally all or none fail
+                if isinstance(packed.fit, CheckpointError):
+                    raise packed.fit
+            error = combine_fits(source, unpack_fits([f for f, _ in fits], saved), strict)
             if error is not None:
                 raise error
-            reader.on_read = lambda: step.__setitem__(0, "reading")
-            try:
-                if not comm.distributed:
-                    _quiet_single_process()
-                dcp_load(
-                    state_dict,
-                    storage_reader=reader,
-                    planner=SafeLoadPlanner(source, safe_globals, allow_partial_load=not strict),
-                    process_group=process_group,
-                    no_dist=not comm.distributed,
-                )
-            except CheckpointException as e:
-                for exc, _ in e.failures.values():
-                    if isinstance(exc, UnsafeCheckpointError):
-                        raise exc from None
-                raise _dcp_failure(f"read {source}", e) from e
+            if index is not None and all(d for _, d in fits):
+                step[0] = "reading"
+                _read_indexed(source, index, state_dict, safe_globals, comm)
+            else:
+                reader.on_read = lambda: step.__setitem__(0, "reading")
+                _read_through_dcp(source, reader, state_dict, safe_globals, comm, strict=strict)
         apply_loaded(state, state_dict, ctx)
         return CheckpointInfo(source, manifest)

@@ -10,7 +10,7 @@ adds rounds of communication. So :class:`CheckpointWriter`:
   zip records, the ``.metadata`` pickle) goes through :class:`_HashingStream`, which
   updates the CRC-32 or BLAKE2b of the file and counts its bytes; the digest is of the
   bytes handed to the file, which ``load`` and ``verify`` read back and compare;
-* starts the disk's write-back every ``_WRITEBACK_BYTES`` while the rest of the file is
+* starts the disk's write-back every ``WRITEBACK_BYTES`` while the rest of the file is
   still being serialized (Linux ``sync_file_range``), so DCP's ``fsync`` at the end of
   the file finds little left to write, instead of the whole file;
 * hands each rank's file records to the coordinator inside DCP's gather of the write
@@ -50,7 +50,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
-import torch
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
@@ -59,11 +58,12 @@ from torch.futures import Future
 
 from ckpt._format.disk_space import SpaceCheckingWriter
 from ckpt._format.manifest import Checksum, FileRecord
+from ckpt._format.tensor_blob import without_record_crc
 
-__all__ = ["CheckpointWriter", "commit_result"]
+__all__ = ["WRITEBACK_BYTES", "CheckpointWriter", "Digest", "commit_result", "start_writeback"]
 
 # Start the write-back of a file's bytes to the disk every this many bytes written.
-_WRITEBACK_BYTES = 32 << 20
+WRITEBACK_BYTES = 32 << 20
 _SYNC_FILE_RANGE_WRITE = 2  # start write-out of dirty pages in the range, don't wait
 
 
@@ -83,7 +83,14 @@ def _load_sync_file_range() -> Callable[[int, int, int, int], int] | None:
 _sync_file_range = None if os.environ.get("CKPT_NO_WB") else _load_sync_file_range()
 
 
-class _Digest:
+def start_writeback(fd: int, start: int, length: int) -> None:
+    """Start writing ``length`` bytes of ``fd`` from ``start`` to the disk, without
+    waiting (Linux); only a head start: a failure is the final fsync's to report."""
+    if _sync_file_range is not None:
+        _sync_file_range(fd, start, length, _SYNC_FILE_RANGE_WRITE)
+
+
+class Digest:
     """Size and running checksum of the bytes of one file."""
 
     def __init__(self, checksum: Checksum) -> None:
@@ -102,22 +109,11 @@ class _Digest:
         return self._blake.hexdigest() if self._blake is not None else f"{self._crc:08x}"
 
 
-@contextmanager
-def _without_record_crc() -> Generator[None, None, None]:
-    """``torch.save``'s record CRC off in this thread, then back as found."""
-    before = torch.serialization.get_crc32_options()
-    torch.serialization.set_crc32_options(False)
-    try:
-        yield
-    finally:
-        torch.serialization.set_crc32_options(before)
-
-
 class _HashingStream(io.RawIOBase):
     """A file opened for writing whose bytes are checksummed as they pass
     (see [Note: one pass over the bytes])."""
 
-    def __init__(self, file: io.IOBase, digest: _Digest) -> None:
+    def __init__(self, file: io.IOBase, digest: Digest) -> None:
         super().__init__()
         self._file = file
         self._digest = digest
@@ -131,14 +127,9 @@ class _HashingStream(io.RawIOBase):
         taken = self._file.write(view)
         written = 0 if taken is None else int(taken)  # None: a non-blocking raw stream
         self._digest.update(view[:written])
-        if _sync_file_range is not None and self._digest.size - self._synced >= _WRITEBACK_BYTES:
+        if self._digest.size - self._synced >= WRITEBACK_BYTES:
             self._file.flush()
-            _sync_file_range(
-                self._file.fileno(),
-                self._synced,
-                self._digest.size - self._synced,
-                _SYNC_FILE_RANGE_WRITE,
-            )  # only a head start: a failure here is DCP's fsync's to report
+            start_writeback(self._file.fileno(), self._synced, self._digest.size - self._synced)
             self._synced = self._digest.size
         return written
 
@@ -177,7 +168,7 @@ class _HashingFileSystem(FileSystem):
             if "w" not in mode:
                 yield stream
                 return
-            digest = _Digest(self.checksum)
+            digest = Digest(self.checksum)
             with _HashingStream(stream, digest) as hashing:
                 yield hashing
         name = Path(path).name
@@ -241,7 +232,7 @@ class CheckpointWriter(SpaceCheckingWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         self.on_step("writing")
-        with _without_record_crc():
+        with without_record_crc():
             results = super().write_data(plan, planner).value()
         with_files: list[Any] = [*results, _RankFiles(tuple(self.fs.records.values()))]
         done: Future[list[WriteResult]] = Future()
