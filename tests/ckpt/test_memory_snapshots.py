@@ -180,17 +180,6 @@ def _resume_previous(tmp: str, machines: list[str], kinds: tuple[str, ...]) -> d
     return out
 
 
-def _disk_fallback(tmp: str, machines: list[str]) -> dict[str, Any]:
-    out = {}
-    for kind in KINDS[:1]:
-        model, optim = wrap(kind, seed=1)
-        memory = _tier(tmp, kind, machines)
-        step = memory.load_latest({"model": model, "optim": optim})
-        assert memory.resumed is not None
-        out[kind] = {"step": step, "line": memory.resumed.line, "loaded": full_weights(model)}
-    return out
-
-
 def _three_machines(tmp: str, machines: list[str]) -> dict[str, Any]:
     kind = KINDS[0]
     model, optim = wrap(kind)
@@ -215,7 +204,7 @@ def test_two_machines_lost_with_both_copies_falls_back_to_disk(tmp_path: Path) -
     assert [r["partner"] for r in first] == [1, 2, 0]  # each on the next machine
     for lost in ("B", "C"):  # rank 1's own copy (B) and its replica (C)
         shutil.rmtree(tmp_path / KINDS[0] / lost)
-    (r,) = run_ranks(_disk_fallback, 1, str(tmp_path), ["A"], timeout=120)
+    (r,) = run_ranks(_resume_previous, 1, str(tmp_path), ["A"], KINDS[:1], timeout=120)
     assert r[KINDS[0]]["step"] == SNAPSHOTS - 1
     assert r[KINDS[0]]["line"] == (
         "resumed step 2 from disk: memory lost the snapshot of step 3 (no copy of rank 1 of "
