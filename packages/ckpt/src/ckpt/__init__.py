@@ -43,7 +43,7 @@ from ckpt._errors import (
     UnsafeCheckpointError,
 )
 from ckpt._format.manifest import MANIFEST_NAME, Checksum, FileRecord, Manifest
-from ckpt._memory.snapshots import MemorySnapshots, Resumed, SnapshotError
+from ckpt._memory.snapshots import Found, MemorySnapshots, SnapshotError
 from ckpt._state_dict_api.functions import (
     StateDictOptions,
     get_model_state_dict,
@@ -100,6 +100,7 @@ __all__ = [
     "DiskFullError",
     "FileProblem",
     "FileRecord",
+    "Found",
     "FullOptimStateDictConfig",
     "FullStateDictConfig",
     "LocalOptimStateDictConfig",
@@ -113,7 +114,6 @@ __all__ = [
     "PartialCheckpointError",
     "PretrainedLoad",
     "RankDisagreementError",
-    "Resumed",
     "ShapeMismatch",
     "ShardedOptimStateDictConfig",
     "ShardedStateDictConfig",

@@ -19,12 +19,13 @@ in] (``replication.py``).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import secrets
 import socket
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -38,7 +39,7 @@ from ckpt._format.manifest import Checksum, new_manifest
 from ckpt._format.safe_unpickling import SafeGlobals
 from ckpt._memory.fetch_reader import FetchingReader
 from ckpt._memory.machine_folder import DEFAULT_ROOT, Agent, MachineFolder, job_key
-from ckpt._memory.placement import Choice, Held, Holding, Missing, choose, partners
+from ckpt._memory.placement import Choice, Held, Holding, choose, partners
 from ckpt._memory.replication import OwnCopy, Replication
 from ckpt._memory.shard_file import (
     ShardHeader,
@@ -50,7 +51,7 @@ from ckpt._memory.shard_file import (
 )
 from ckpt._wrappers.adapters import to_state_dict
 
-__all__ = ["MemorySnapshots", "Resumed", "SnapshotError"]
+__all__ = ["Found", "MemorySnapshots", "SnapshotError"]
 
 
 class SnapshotError(CheckpointError):
@@ -59,13 +60,15 @@ class SnapshotError(CheckpointError):
 
 
 @dataclass(frozen=True)
-class Resumed:
-    """Where ``load_latest`` resumed from."""
+class Found:
+    """The newest step memory or disk holds (``find_latest``), and once loaded, how."""
 
     step: int | None  # None: nothing to resume from
     source: str  # "memory", "disk" or "nothing"
+    world_size: int | None  # of the job that took the snapshot (memory only)
     line: str  # one line for the log, e.g. "resumed step 40 from memory (2 ranks -> 1, ...)"
     fetched_bytes: int = 0  # what this rank received from other machines (memory only)
+    _choice: Choice | None = field(default=None, repr=False, compare=False)
 
 
 class MemorySnapshots:
@@ -97,7 +100,7 @@ class MemorySnapshots:
 
     disk: CheckpointManager
     folder: MachineFolder
-    resumed: Resumed | None
+    resumed: Found | None  # what the last load loaded
     generation: str  # this incarnation's token ([Note: whose snapshots])
     hosts: list[str]  # rank -> machine
     partner: int | None  # the rank keeping this rank's replicas
@@ -240,16 +243,10 @@ class MemorySnapshots:
 
     # ---- resuming
 
-    def load_latest(
-        self,
-        state: Mapping[str, Any],
-        *,
-        strict: bool = True,
-        safe_globals: SafeGlobals = (),
-    ) -> int | None:
-        """Load the newest step that memory (every shard surviving somewhere) or disk
-        holds into ``state``, at this world size; return it (None: neither holds one).
-        Collective. ``self.resumed`` says where it came from, in one line."""
+    def find_latest(self) -> Found:
+        """Where the newest step is: memory (every shard surviving somewhere, own copy
+        or replica) or disk, whichever is newer (memory on a tie: no disk read).
+        Collective; loads nothing (:meth:`load` does)."""
         self.wait()
         wait_pending()
         copies = self.folder.copies()
@@ -271,61 +268,8 @@ class MemorySnapshots:
         reports = self._all_gather((mine, on_disk))
         disk_step: int | None = reports[0][1]
         choice, missing = choose([holding for holding, _ in reports])
-        now = self._comm.world_size
-        if choice is None or (disk_step is not None and disk_step > choice.step):
-            return self._from_disk(state, disk_step, choice, missing)
-        served = {
-            r: c.descriptor.read_bytes()
-            for c in copies
-            for r in [c.header.rank]
-            if c.header.generation == choice.generation
-            and c.header.step == choice.step
-            and choice.server[r] == self._comm.rank
-        }
-        descriptors: dict[int, bytes] = {}
-        for part in self._all_gather(served):
-            descriptors.update(part)
-        shards = [
-            read_descriptor(descriptors[r], self.folder.own / f"rank{r}")
-            for r in range(choice.world_size)
-        ]
-        metadata = merge_metadata([md for _, md in shards])
-        local = {
-            c.header.rank: c.data
-            for c in copies
-            if c.header.generation == choice.generation and c.header.step == choice.step
-        }
-        label = self.folder.own / f"step_{choice.step:08d}"
-        reader = FetchingReader(label, metadata, local, choice.server, self._group)
-        manifest = new_manifest([], Checksum.CRC32, choice.world_size, shards[0][0].saved_by)
-        with on_device(device_of(state)):
-            read_into(
-                state, label, reader, manifest,
-                comm=self._comm, strict=strict, safe_globals=safe_globals,
-                process_group=self.process_group, call="load a snapshot",
-            )  # fmt: skip
-        worlds = (
-            f"{choice.world_size} ranks -> {now}" if choice.world_size != now else f"{now} ranks"
-        )
-        parts = [worlds]
-        if choice.from_replica:
-            n = choice.from_replica
-            parts.append(f"{n} shard{'s' if n != 1 else ''} from a replica")
-        self.resumed = Resumed(
-            choice.step,
-            "memory",
-            f"resumed step {choice.step} from memory ({', '.join(parts)})",
-            reader.fetched_bytes,
-        )
-        return choice.step
-
-    def _from_disk(
-        self,
-        state: Mapping[str, Any],
-        disk_step: int | None,
-        choice: Choice | None,
-        missing: Missing | None,
-    ) -> int | None:
+        if choice is not None and (disk_step is None or choice.step >= disk_step):
+            return self._in_memory(choice)
         why = ""
         if missing is not None and (choice is None or missing.step > choice.step):
             lost = ", ".join(map(str, missing.lost))
@@ -339,11 +283,98 @@ class MemorySnapshots:
         elif disk_step is not None:
             why = " (memory holds no snapshot)"
         if disk_step is None:
-            self.resumed = Resumed(None, "nothing", f"nothing to resume from{why}")
+            return Found(None, "nothing", None, f"nothing to resume from{why}")
+        return Found(disk_step, "disk", None, f"resumed step {disk_step} from disk{why}")
+
+    def _in_memory(self, choice: Choice) -> Found:
+        now = self._comm.world_size
+        if choice.world_size != now:
+            parts = [f"{choice.world_size} ranks -> {now}"]
+        else:
+            parts = [f"{now} rank{'s' if now != 1 else ''}"]
+        if choice.from_replica:
+            n = choice.from_replica
+            parts.append(f"{n} shard{'s' if n != 1 else ''} from a replica")
+        line = f"resumed step {choice.step} from memory ({', '.join(parts)})"
+        return Found(choice.step, "memory", choice.world_size, line, _choice=choice)
+
+    def load(
+        self,
+        state: Mapping[str, Any],
+        found: Found,
+        *,
+        strict: bool = True,
+        safe_globals: SafeGlobals = (),
+    ) -> Found:
+        """Load what :meth:`find_latest` found into ``state`` at this world size (each
+        piece from whichever machine holds it, or from disk); collective. Returns
+        ``found`` with the bytes this rank received from other machines, also kept as
+        ``self.resumed``. Entries of ``state`` are loaded as ``ckpt.load`` loads them
+        (``strict``, ``safe_globals``): load ``{"trainer": ...}`` alone first to check
+        what the snapshot is of, then the rest."""
+        if found.source == "disk" and found.step is not None:
+            self.disk.load(state, found.step, strict=strict, safe_globals=safe_globals)
+            self.resumed = found
+            return found
+        choice = found._choice
+        if found.source != "memory" or choice is None:
+            raise ValueError(f"nothing to load: {found.line}")
+        copies = [
+            c
+            for c in self.folder.copies()
+            if c.header.generation == choice.generation and c.header.step == choice.step
+        ]
+        served = {
+            c.header.rank: c.descriptor.read_bytes()
+            for c in copies
+            if choice.server[c.header.rank] == self._comm.rank
+        }
+        descriptors: dict[int, bytes] = {}
+        for part in self._all_gather(served):
+            descriptors.update(part)
+        missing = [r for r in range(choice.world_size) if r not in descriptors]
+        if missing:  # removed between find_latest and load: the machine's memory changed
+            raise SnapshotError(
+                f"the snapshot of step {choice.step} lost ranks {missing}'s descriptors "
+                "between find_latest and load; call find_latest again"
+            )
+        shards = [
+            read_descriptor(descriptors[r], self.folder.own / f"rank {r}'s descriptor")
+            for r in range(choice.world_size)
+        ]
+        label = self.folder.own / f"step_{choice.step:08d}"
+        reader = FetchingReader(
+            label,
+            merge_metadata([metadata for _, metadata in shards]),
+            {c.header.rank: c.data for c in copies},
+            choice.server,
+            self._group,
+        )
+        manifest = new_manifest([], Checksum.CRC32, choice.world_size, shards[0][0].saved_by)
+        with on_device(device_of(state)):
+            read_into(
+                state, label, reader, manifest,
+                comm=self._comm, strict=strict, safe_globals=safe_globals,
+                process_group=self.process_group, call="load a snapshot",
+            )  # fmt: skip
+        self.resumed = dataclasses.replace(found, fetched_bytes=reader.fetched_bytes)
+        return self.resumed
+
+    def load_latest(
+        self,
+        state: Mapping[str, Any],
+        *,
+        strict: bool = True,
+        safe_globals: SafeGlobals = (),
+    ) -> int | None:
+        """:meth:`find_latest`, then :meth:`load` into ``state``; returns the step (None:
+        neither memory nor disk holds one). Collective. ``self.resumed.line`` says where
+        it came from."""
+        found = self.find_latest()
+        if found.step is None:
+            self.resumed = found
             return None
-        self.disk.load(state, disk_step)
-        self.resumed = Resumed(disk_step, "disk", f"resumed step {disk_step} from disk{why}")
-        return disk_step
+        return self.load(state, found, strict=strict, safe_globals=safe_globals).step
 
     def __repr__(self) -> str:
         return f"MemorySnapshots({str(self.folder.own)!r}, partner={self.partner})"
