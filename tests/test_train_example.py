@@ -384,6 +384,34 @@ def test_train_restarted_by_torchrun_resumes_after_a_rank_is_killed(tmp_path: Pa
 
 
 @pytest.mark.slow
+def test_train_restarted_by_torchrun_resumes_from_memory_at_the_step_reached(
+    tmp_path: Path,
+) -> None:
+    # As above, with a snapshot in host memory after every step and no checkpoint on
+    # disk before the end: the restarted job resumes at step 5, the last step completed
+    # before rank 1 was killed in step 6, from memory, and trains like an
+    # uninterrupted run.
+    (tmp_path / "shm").mkdir()
+    args = [*TINY, "--snapshot-every", "1", "--snapshot-dir", str(tmp_path / "shm")]
+    ref = Launch(2, [*TINY, "--out-dir", "ref"], tmp_path)
+    job = Launch(
+        2,
+        [*args, "--out-dir", "memory", "--inject-hang-at-step", "6", "--inject-rank", "1"],
+        tmp_path,
+        torchrun=["--standalone", "--nproc-per-node", "2", "--max-restarts", "2"],
+    )
+    pid = int(job.wait_for_line(r"--inject-hang-at-step 6: waiting to be killed \(pid (\d+)\)")[1])
+    os.kill(pid, signal.SIGKILL)
+    rc, out = job.finish_after_wait()
+    rc_ref, out_ref = ref.finish()
+    assert rc_ref == 0, out_ref
+    assert rc == 0, out
+    assert "resumed step 5 from memory (2 ranks)" in out, out
+    assert not (tmp_path / "memory" / "checkpoints" / "step_00000005").exists()
+    assert losses(tmp_path / "memory") == losses(tmp_path / "ref")
+
+
+@pytest.mark.slow
 def test_train_on_two_nodes_with_hybrid_shard_resumes_on_one(tmp_path: Path) -> None:
     # Two torchrun agents as two "nodes" of 2 processes each, meeting at a c10d
     # rendezvous on localhost (the README's multi-node commands); HYBRID_SHARD shards

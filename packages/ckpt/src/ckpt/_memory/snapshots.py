@@ -76,7 +76,7 @@ class MemorySnapshots:
 
     ``disk`` is the job's :class:`CheckpointManager`; ``load_latest`` falls back to it,
     and takes it when it holds a newer step. ``root`` is a folder in host memory (a
-    tmpfs; default ``/dev/shm``), ``run_id`` tells two jobs with the same disk folder
+    tmpfs; None: ``/dev/shm``), ``run_id`` tells two jobs with the same disk folder
     apart (default: torchrun's ``TORCHELASTIC_RUN_ID``), ``machine`` names this rank's
     machine (default: its hostname; ranks of one name share a machine, and their
     replicas go to another). Construction is collective
@@ -110,7 +110,7 @@ class MemorySnapshots:
         self,
         disk: CheckpointManager,
         *,
-        root: PathLike = DEFAULT_ROOT,
+        root: PathLike | None = None,
         run_id: str | None = None,
         process_group: dist.ProcessGroup | None = None,
         timeout: timedelta = timedelta(minutes=5),
@@ -127,7 +127,8 @@ class MemorySnapshots:
         run = run_id if run_id is not None else os.environ.get("TORCHELASTIC_RUN_ID", "")
         host = machine if machine is not None else socket.gethostname()
         job = job_key(disk.root, run)
-        self.folder = MachineFolder(_as_path(root), job, Agent.of_this_process(), host)
+        where = _as_path(root) if root is not None else DEFAULT_ROOT
+        self.folder = MachineFolder(where, job, Agent.of_this_process(), host)
         problem: str | None = None
         try:
             self.folder.open()
