@@ -19,11 +19,11 @@ gone with the machine. :class:`Cluster` makes that out of Linux namespaces:
   other over their own addresses without crossing it.
 
 :meth:`Cluster.kill` ends a machine as a real loss does: every process in it is
-SIGKILLed (the holder too, so its tmpfs, and everything in ``/dev/shm``, is gone)
-and its cable is unplugged. By default the processes die first, so peers see their
-connections reset (a crashed node whose kernel is still up); ``silent=True``
-unplugs the cable first, so peers see nothing and learn of the loss only by their
-own timeouts (a power cut).
+SIGKILLed (the holder too, so its tmpfs, and everything in ``/dev/shm``, is gone).
+By default its cable stays in, so its kernel closes the dead processes' connections
+and answers later ones with a reset, as a machine whose processes crashed does (the
+peers learn at once); ``silent=True`` unplugs the cable first, so the peers see
+nothing and learn of the loss only by their own timeouts (a power cut).
 
 Everything made is removed on the way out of the ``with`` block, also on Ctrl-C or
 SIGTERM: the processes of every machine, the namespaces, and with them the veths,
@@ -260,14 +260,12 @@ class Cluster:
         _check(["ip", "-n", self.hub, "link", "set", f"m{machine.index}", "down"])
 
     def kill(self, machine: Machine, *, silent: bool = False) -> float:
-        """End ``machine``: its processes, its memory, its cable (see the module
-        docstring); returns ``time.monotonic()`` at the kill."""
+        """End ``machine``: its processes and its memory (see the module docstring);
+        ``silent`` unplugs its cable first. Returns ``time.monotonic()`` at the kill."""
         if silent:
             self.unplug(machine)
         at = time.monotonic()
         self._kill_processes(machine)
-        if not silent:
-            self.unplug(machine)
         machine.alive = False
         return at
 

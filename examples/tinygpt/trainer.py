@@ -352,6 +352,8 @@ class Trainer:
                 log_now = step % cfg.log_every == 0 or step == first_step + 1
                 record, stop_now = self.train_step(step, stop.requested, measure=log_now)
                 self.step = step
+                if cfg.snapshot_every and step % cfg.snapshot_every == 0:
+                    self.snapshot()  # before the step is reported: a printed step is kept
                 if log_now:
                     self.memory = gather_memory(self._memory, self.env.device)
                     record[f"{resident_kind(self.env.device)}_bytes"] = [
@@ -362,8 +364,6 @@ class Trainer:
                 self.reporter.advance(record)
                 if log_now:
                     self._log(record)
-                if cfg.snapshot_every and step % cfg.snapshot_every == 0:
-                    self.snapshot()
                 if cfg.checkpoint_every and (
                     stop_now or step % cfg.checkpoint_every == 0 or step == cfg.steps
                 ):
