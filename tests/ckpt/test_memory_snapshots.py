@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 import ckpt
+from ckpt._memory.machine_folder import job_key
 from ckpt._memory.placement import Held, Holding, choose, partners
 from tests.ckpt._wrappers import full_weights, same, train, wrap
 from tests.ranks import RankFailure, run_ranks
@@ -236,14 +237,15 @@ def test_snapshots_of_an_earlier_job_are_never_taken_for_this_ones(tmp_path: Pat
     # machine A), or under a launcher of another host (B: a shared folder, where
     # liveness cannot be known): never read; A's is removed.
     dead = {"A": f"{socket.gethostname()}-999999999-1", "B": "otherhost-1-1"}
+    key = job_key(Path(os.path.abspath(tmp_path / KINDS[0] / "disk")), "job")
     for m in machines:
-        job = next((tmp_path / KINDS[0] / m / "ckpt-snapshots").iterdir())
-        agent = next(p for p in job.iterdir() if p.is_dir())
+        job = tmp_path / KINDS[0] / m / "ckpt-snapshots" / key
+        (agent,) = job.iterdir()
         agent.rename(job / dead[m])
     for r in run_ranks(_stale, 2, str(tmp_path), machines, "job", timeout=120):
         assert r["source"] == "disk" and r["step"] == 2, r
     for m in machines:
-        job = next((tmp_path / KINDS[0] / m / "ckpt-snapshots").iterdir())
+        job = tmp_path / KINDS[0] / m / "ckpt-snapshots" / key
         assert (job / dead[m]).exists() == (m == "B")
 
 

@@ -43,11 +43,11 @@ from ckpt._memory.placement import Choice, Held, Holding, choose, partners
 from ckpt._memory.replication import OwnCopy, Replication
 from ckpt._memory.shard_file import (
     ShardHeader,
+    ShardWriter,
     merge_metadata,
     pickle_metadata,
     read_descriptor,
     write_descriptor,
-    write_shard,
 )
 from ckpt._wrappers.adapters import to_state_dict
 
@@ -148,6 +148,7 @@ class MemorySnapshots:
         self.partner = paired[rank]
         self.senders = [r for r, p in enumerate(paired) if p == rank]
         self.resumed = None
+        self._writer = ShardWriter(rank)
         self._running: Replication | None = None
         self._cleared_generations = False
 
@@ -185,7 +186,7 @@ class MemorySnapshots:
             path = self.folder.begin(self.generation, rank, slot)
             try:
                 with open(path, "r+b" if path.exists() else "w+b") as f:
-                    metadata = write_shard(state_dict, f, rank)
+                    metadata = self._writer.write(state_dict, f)
                     f.truncate()
                     size = f.tell()
             except OSError as e:
