@@ -14,12 +14,16 @@ measurement) and ``memory`` (``--snapshot-every 1`` beside it):
 * ``worker``: one machine, 2 ranks (``--standalone``); rank 1 is SIGKILLed;
 * ``machine 2x1`` / ``machine 2x2``: two machines of 1 or 2 ranks; the second machine
   is killed, and the job re-forms on the first;
-* ``mid-snapshot 2x1``: as ``machine 2x1`` with the link at a tenth of ``--rate``, so a
-  snapshot's replica takes longer than a step, and the kill lands in one.
+* ``mid-snapshot 2x1``: as ``machine 2x1`` with a larger model (11M parameters) and the
+  link at a tenth of ``--rate``, so a snapshot's replica takes longer than a step, and
+  the kill lands in one.
 
 The kill comes once rank 0 has printed step ``--kill-at``. Columns: the step reached (the
 last step printed before the kill), the step resumed from and where from, the steps lost
-between them, and the seconds from the kill to rank 0 printing the step reached again.
+between them, and the seconds from the kill until the job is back at the step reached:
+until it says it resumed there, or (resumed from an earlier step) until rank 0 prints
+the step reached again. ``FAILOVER_LOG=1`` prints rank 0's agent's output, timed from
+the kill.
 
 Then the cost of snapshots on the step (``--overhead``): two machines of one rank each,
 GPT at 30M parameters (``bench_scale``'s) under our ``fully_shard``, AdamW; in one pair
@@ -76,13 +80,19 @@ class Case:
     per_machine: int
     kill: str  # "worker" or "machine"
     rate_divisor: int = 1  # the link at rate / this
+    model: tuple[str, ...] = ()  # train.py's model options, beside its defaults
 
 
+# A model whose snapshot (about 60 MiB per rank) takes half a second to replicate at
+# 1 Gbit/s, longer than its step: the kill after a step always lands in its replication.
+_MID_SNAPSHOT_MODEL = ("--d-model", "384", "--n-layer", "6", "--n-head", "6")
 CASES = {
     "worker": Case("worker", 1, 2, "worker"),
     "machine-2x1": Case("machine 2x1", 2, 1, "machine"),
     "machine-2x2": Case("machine 2x2", 2, 2, "machine"),
-    "mid-snapshot-2x1": Case("mid-snapshot 2x1", 2, 1, "machine", rate_divisor=10),
+    "mid-snapshot-2x1": Case(
+        "mid-snapshot 2x1", 2, 1, "machine", rate_divisor=10, model=_MID_SNAPSHOT_MODEL
+    ),
 }
 TIERS = {
     "disk": ["--checkpoint-every", "25"],
@@ -206,6 +216,7 @@ def run_case(case: Case, tier: str, kill_at: int, bits: int, workdir: Path) -> O
     train_args = [
         "--out-dir", str(out_dir), "--steps", str(kill_at + 40), "--log-every", "1",
         "--no-progress", "--eval-windows", "0", "--sample-lines", "0", *TIERS[tier],
+        *case.model,
     ]  # fmt: skip
     rate = max(bits // case.rate_divisor, 10**6)
     with machines.cluster(case.machines, rate=rate, shm_bytes=1 << 30) as cluster:
@@ -229,10 +240,15 @@ def run_case(case: Case, tier: str, kill_at: int, bits: int, workdir: Path) -> O
         with lead.cond:
             reached = max(int(m[1]) for t, line in lead.lines if t <= at
                           for m in [STEP_LINE.search(line)] if m is not None)  # fmt: skip
-        back, _ = lead.wait_for(STEP_LINE, lambda m: int(m[1]) >= reached, at, 600)
-        _, said = lead.wait_for(RESUMED, lambda m: True, at, 1)
+        said_at, said = lead.wait_for(RESUMED, lambda m: True, at, 600)
         resumed = int(said[1] or said[3] or said[4])
         source = said[2] or "disk"
+        back = said_at  # resumed at the step reached: back as soon as it says so
+        if resumed < reached:  # then once it has trained up to it again
+            back, _ = lead.wait_for(STEP_LINE, lambda m: int(m[1]) >= reached, at, 600)
+        if os.environ.get("FAILOVER_LOG"):
+            with lead.cond:
+                print("\n".join(f"{t - at:8.2f} {line}" for t, line in lead.lines), flush=True)
     return Outcome(reached, resumed, source, back - at, said[0])
 
 
