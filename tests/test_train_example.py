@@ -360,27 +360,43 @@ def test_train_resume_names_damaged_checkpoints_and_takes_the_one_asked(tmp_path
 
 
 @pytest.mark.slow
-def test_train_restarted_by_torchrun_resumes_after_a_rank_is_killed(tmp_path: Path) -> None:
-    # A real process is killed: rank 1 reports its pid and blocks in step 5 of the first
-    # attempt (no sleep-based timing), the test kills it with SIGKILL, torchrun restarts
-    # the job, which resumes from step 4's checkpoint by itself.
-    args = [*TINY, "--checkpoint-every", "2", "--out-dir", "restart"]
+@pytest.mark.parametrize(
+    ("tier", "options", "hang_at", "says"),
+    [
+        # From step 4's disk checkpoint (every 2 steps).
+        ("disk", ["--checkpoint-every", "2"], 5, "resuming from the newest checkpoint"),
+        # With a snapshot in host memory after every step and no checkpoint on disk
+        # before the end: from step 5, the last completed before the kill in step 6.
+        ("memory", ["--snapshot-every", "1"], 6, "resumed step 5 from memory (2 ranks)"),
+    ],
+)
+def test_train_restarted_by_torchrun_resumes_after_a_rank_is_killed(
+    tmp_path: Path, tier: str, options: list[str], hang_at: int, says: str
+) -> None:
+    # A real process is killed: rank 1 reports its pid and blocks in step `hang_at` of
+    # the first attempt (no sleep-based timing), the test kills it with SIGKILL, torchrun
+    # restarts the job, which resumes by itself and trains like an uninterrupted run.
+    (tmp_path / "shm").mkdir()
+    args = [*TINY, *options, "--snapshot-dir", str(tmp_path / "shm"), "--out-dir", tier]
     ref = Launch(2, [*TINY, "--out-dir", "ref"], tmp_path)
     job = Launch(
         2,
-        [*args, "--inject-hang-at-step", "5", "--inject-rank", "1"],
+        [*args, "--inject-hang-at-step", str(hang_at), "--inject-rank", "1"],
         tmp_path,
         torchrun=["--standalone", "--nproc-per-node", "2", "--max-restarts", "2"],
     )
-    pid = int(job.wait_for_line(r"--inject-hang-at-step 5: waiting to be killed \(pid (\d+)\)")[1])
-    os.kill(pid, signal.SIGKILL)
+    waiting = rf"--inject-hang-at-step {hang_at}: waiting to be killed \(pid (\d+)\)"
+    os.kill(int(job.wait_for_line(waiting)[1]), signal.SIGKILL)
     rc, out = job.finish_after_wait()
     rc_ref, out_ref = ref.finish()
     assert rc_ref == 0, out_ref
     assert rc == 0, out
-    assert "restarted by the launcher (restart 1): resuming from the newest checkpoint" in out
-    assert "at step 4" in out, out
-    assert losses(tmp_path / "restart") == losses(tmp_path / "ref")
+    assert "restarted by the launcher (restart 1)" in out, out
+    assert says in out, out
+    assert f"at step {hang_at - 1}" in out or tier == "memory", out
+    if tier == "memory":
+        assert not (tmp_path / tier / "checkpoints" / "step_00000005").exists()
+    assert losses(tmp_path / tier) == losses(tmp_path / "ref")
 
 
 @pytest.mark.slow

@@ -16,6 +16,11 @@ world size and, as it happens, under another wrapper.
   when the world size is unchanged; at another world size the ranks are new, so they
   are re-seeded from (seed, step, rank) instead (this only matters with dropout).
 
+With ``--snapshot-every N`` the same state also goes into host memory every N steps
+(``ckpt.MemorySnapshots``: this rank's shard in ``/dev/shm`` and a replica in another
+machine's), and a restarted job resumes from whichever of memory and disk holds the
+newer step (``load_snapshot``).
+
 Layout: ``<root>/step_00000300/`` per checkpoint, with ckpt's manifest of checksums.
 ckpt writes it into a hidden ``.step_00000300.partial`` sibling and renames it once
 every rank has finished, so a visible step folder is always complete; it removes the
@@ -27,6 +32,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,9 +47,11 @@ from ckpt import CheckpointManager
 __all__ = [
     "CheckpointError",
     "Found",
+    "checkpoint_state",
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
+    "load_snapshot",
     "move_aside",
     "remove_checkpoints",
     "save_checkpoint",
@@ -127,6 +135,18 @@ def _rng_state() -> dict[str, torch.Tensor]:
     return state
 
 
+def checkpoint_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, trainer_state: dict[str, Any]
+) -> dict[str, Any]:
+    """What a checkpoint or a snapshot holds (see [Note: what a checkpoint holds])."""
+    return {
+        "model": model,
+        "optim": optimizer,
+        "trainer": json.dumps(trainer_state),
+        **_rng_state(),
+    }
+
+
 def save_checkpoint(
     root: Path,
     step: int,
@@ -143,18 +163,13 @@ def save_checkpoint(
     folder's newest is saved (``allow_older``): both happen only when a run that was
     resumed from an older step (``--resume STEP``) reaches them again, and the newer one
     is the one to continue from."""
-    state: dict[str, Any] = {
-        "model": model,
-        "optim": optimizer,
-        "trainer": json.dumps(trainer_state),
-        **_rng_state(),
-    }
+    state = checkpoint_state(model, optimizer, trainer_state)
     manager = CheckpointManager(root, keep_last=keep)
     info = manager.save(step, state, overwrite=True, allow_older=True)
     return info.path
 
 
-def _check_model_shape(path: Path, trainer: dict[str, Any], model_shape: dict[str, int]) -> None:
+def _check_model_shape(where: str, trainer: dict[str, Any], model_shape: dict[str, int]) -> None:
     """Name the hyperparameter that differs, instead of a list of mismatched tensors."""
     saved_shape = trainer["model_shape"]
     if saved_shape != model_shape:
@@ -164,7 +179,7 @@ def _check_model_shape(path: Path, trainer: dict[str, Any], model_shape: dict[st
             if saved_shape.get(key) != value
         )
         raise CheckpointError(
-            f"{path} is a checkpoint of another model ({diff}); "
+            f"{where} is a checkpoint of another model ({diff}); "
             "resume with the checkpoint's model options or start a new --checkpoint-dir"
         )
 
@@ -182,21 +197,63 @@ def load_checkpoint(
     The trainer state is read first (and every file checked against the manifest), so
     a checkpoint of another model says which hyperparameter differs before anything is
     loaded."""
+
+    def read_head(head: dict[str, Any]) -> None:
+        ckpt.load(head, path)
+
+    def read_rest(state: dict[str, Any]) -> None:
+        ckpt.load(state, path, verify=False)  # verified just above
+
+    return _load_in_two(
+        str(path), read_head, read_rest, model=model, optimizer=optimizer, model_shape=model_shape
+    )
+
+
+def load_snapshot(
+    snapshots: ckpt.MemorySnapshots,
+    found: ckpt.Found,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    model_shape: dict[str, int],
+) -> dict[str, Any]:
+    """``load_checkpoint`` for a snapshot in memory (``found`` by
+    ``snapshots.find_latest()``): the same state, read from the surviving machines."""
+    return _load_in_two(
+        f"the snapshot of step {found.step}",
+        lambda head: snapshots.load(head, found),
+        lambda state: snapshots.load(state, found),
+        model=model,
+        optimizer=optimizer,
+        model_shape=model_shape,
+    )
+
+
+def _load_in_two(
+    where: str,
+    read_head: Callable[[dict[str, Any]], Any],
+    read_rest: Callable[[dict[str, Any]], Any],
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    model_shape: dict[str, int],
+) -> dict[str, Any]:
+    """The trainer state first (its model shape checked), then the model, the
+    optimizer and, at the same world size, this rank's RNG state."""
     head: dict[str, Any] = {"trainer": ""}
     try:
-        ckpt.load(head, path)
+        read_head(head)
     except ckpt.StateDictMismatchError as exc:
         raise CheckpointError(
-            f"{path} holds no trainer state: not a checkpoint of train.py ({exc})"
+            f"{where} holds no trainer state: not a checkpoint of train.py ({exc})"
         ) from exc
     trainer: dict[str, Any] = json.loads(head["trainer"])
-    _check_model_shape(path, trainer, model_shape)
+    _check_model_shape(where, trainer, model_shape)
 
     state: dict[str, Any] = {"model": model, "optim": optimizer}
     same_world = trainer["world_size"] == dist.get_world_size()
     rng = _rng_state() if same_world else {}
     state.update(rng)
-    ckpt.load(state, path, verify=False)  # verified just above
+    read_rest(state)
     for key in rng:
         if key.startswith("rng."):
             torch.set_rng_state(state[key])

@@ -114,6 +114,13 @@ class TrainConfig:
     """Save a checkpoint every this many steps, at the end and on Ctrl-C (0: never)."""
     keep_checkpoints: int = 2
     """How many of the newest checkpoints to keep."""
+    snapshot_every: int = 0
+    """Snapshot the training state into host memory every this many steps (0: never),
+    replicated in another machine's memory: a job that torchrun restarts after a lost
+    worker or machine resumes from the newest snapshot or checkpoint, whichever is
+    newer, losing no completed step with 1 (see examples/README.md)."""
+    snapshot_dir: Path | None = None
+    """The host-memory folder (tmpfs) snapshots go to (default /dev/shm)."""
     resume: str | None = None
     """Continue from a checkpoint in --checkpoint-dir, at any world size: the newest
     (--resume alone), the one of a step (--resume 200) or a checkpoint folder (--resume
@@ -178,6 +185,7 @@ class TrainConfig:
             "clip_grad",
             "eval_windows",
             "checkpoint_every",
+            "snapshot_every",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{_flag(name)} must be >= 0, got {getattr(self, name)}")

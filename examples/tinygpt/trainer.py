@@ -23,7 +23,9 @@ import ckpt
 
 from .checkpoint import (
     CheckpointError,
+    checkpoint_state,
     load_checkpoint,
+    load_snapshot,
     move_aside,
     remove_checkpoints,
     save_checkpoint,
@@ -124,6 +126,7 @@ class Trainer:
     memory: list[MemoryBytes]  # per rank, at the latest log step
     _memory: MemoryBytes  # this rank's, measured inside the latest log step
     last_checkpoint: Path | None
+    snapshots: ckpt.MemorySnapshots | None  # --snapshot-every: the host-memory tier
     schedule_steps: int  # the --steps the run started with: [Note: the schedule of a resumed run]
 
     def __init__(self, cfg: TrainConfig, env: DistEnv) -> None:
@@ -151,6 +154,10 @@ class Trainer:
         self.step, self.session, self.history = 0, 0, []
         self.memory, self.last_checkpoint = [], None
         self.schedule_steps = cfg.steps
+        self.snapshots = None
+        if cfg.snapshot_every:
+            disk = ckpt.CheckpointManager(cfg.checkpoints)
+            self.snapshots = ckpt.MemorySnapshots(disk, root=cfg.snapshot_dir)
 
     def _rank_seed(self, step: int) -> int:
         return (self.cfg.seed * 1_000_003 + step) * 1_009 + self.env.rank + 1
@@ -203,8 +210,18 @@ class Trainer:
 
     def _resume_chosen(self, resume: str, *, restarted: bool) -> bool:
         """Load the checkpoint rank 0 chooses (choose_checkpoint); a damaged one found
-        while loading is moved aside (--move-aside-damaged) and the next tried."""
+        while loading is moved aside (--move-aside-damaged) and the next tried. With
+        --snapshot-every, the newest step comes from memory when memory holds it."""
         cfg = self.cfg
+        if self.snapshots is not None and resume == NEWEST:
+            found = self.snapshots.find_latest()
+            self.reporter.print(found.line)
+            if found.source == "memory":
+                state = load_snapshot(
+                    self.snapshots, found, self.model, self.optimizer, cfg.model_shape()
+                )
+                self._resumed(state, None)  # found.line said where from
+                return self._left_to_train(f"the snapshot of step {self.step}")
         while True:
             plan: ResumePlan = _broadcast(
                 choose_checkpoint(
@@ -238,30 +255,41 @@ class Trainer:
                     )
                 dist.barrier()
                 continue
-            if self.step >= cfg.steps:
-                self.reporter.print(
-                    f"{plan.path} is the end of a finished run (step {self.step}, "
-                    f"--steps {cfg.steps}): nothing to train. Pass --steps N with N > "
-                    f"{self.step} to train on (the learning rate stays on the schedule of "
-                    f"--steps {self.schedule_steps}, see --help), or --overwrite to start "
-                    "again"
-                )
-                return False
-            return True
+            return self._left_to_train(str(plan.path))
+
+    def _left_to_train(self, where: str) -> bool:
+        """Whether the resumed run has steps left; says so when it has none."""
+        cfg = self.cfg
+        if self.step >= cfg.steps:
+            self.reporter.print(
+                f"{where} is the end of a finished run (step {self.step}, "
+                f"--steps {cfg.steps}): nothing to train. Pass --steps N with N > "
+                f"{self.step} to train on (the learning rate stays on the schedule of "
+                f"--steps {self.schedule_steps}, see --help), or --overwrite to start "
+                "again"
+            )
+            return False
+        return True
 
     def _resume(self, path: Path) -> None:
         state = load_checkpoint(path, self.model, self.optimizer, self.cfg.model_shape())
+        self.last_checkpoint = path
+        self._resumed(state, str(path))
+
+    def _resumed(self, state: dict[str, Any], where: str | None) -> None:
+        """Take the trainer state a checkpoint or snapshot held; say where it came from
+        (``where``: None when said already)."""
         self.step, self.history = state["step"], state["history"]
         self.session = state["session"] + 1
         self.schedule_steps = state.get("schedule_steps", self.cfg.steps)
         self.sampler.load_state_dict(state["sampler"])
-        self.last_checkpoint = path
         if not state["rng_restored"]:
             torch.manual_seed(self._rank_seed(self.step))
         note = ""
         if state["world_size"] != self.env.world_size:
             note = f" (saved by {plural(state['world_size'], 'rank')}, now {self.env.world_size})"
-        self.reporter.print(f"resumed from {path} at step {self.step}{note}")
+        if where is not None:
+            self.reporter.print(f"resumed from {where} at step {self.step}{note}")
         if state["data_order"] != self.cfg.data_order():
             self.reporter.print(
                 f"warning: data options changed since the checkpoint "
@@ -282,6 +310,13 @@ class Trainer:
             "data_order": self.cfg.data_order(),
             "config": config_record(self.cfg),  # what config.toml holds, at this step
         }
+
+    def snapshot(self) -> None:
+        """A snapshot of the current step into host memory (collective; training waits
+        only for this rank's copy, the replica goes in the background)."""
+        assert self.snapshots is not None
+        state = checkpoint_state(self.model, self.optimizer, self.trainer_state())
+        self.snapshots.save(self.step, state)
 
     def save(self) -> Path:
         """A checkpoint of the current step (collective)."""
@@ -317,6 +352,8 @@ class Trainer:
                 log_now = step % cfg.log_every == 0 or step == first_step + 1
                 record, stop_now = self.train_step(step, stop.requested, measure=log_now)
                 self.step = step
+                if cfg.snapshot_every and step % cfg.snapshot_every == 0:
+                    self.snapshot()  # before the step is reported: a printed step is kept
                 if log_now:
                     self.memory = gather_memory(self._memory, self.env.device)
                     record[f"{resident_kind(self.env.device)}_bytes"] = [
@@ -349,6 +386,8 @@ class Trainer:
                     self.reporter.print(f"stopped after step {step} ({cause}): {saved}")
                     interrupted = True
                     break
+        if self.snapshots is not None:
+            self.snapshots.close()  # the last replica is in before the run ends
         train_s = time.perf_counter() - t0
         val_loss = None if interrupted else self.evaluate()
         if val_loss is not None:

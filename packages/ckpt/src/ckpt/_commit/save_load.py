@@ -114,6 +114,7 @@ __all__ = [
     "CheckpointInfo",
     "async_save",
     "load",
+    "read_into",
     "save",
     "verify",
     "wait_pending",
@@ -973,38 +974,69 @@ def load(
             peers(comm)
         with named_faults("load", source, comm, "verifying", _nothing_read):
             manifest = _open_checkpoint(source, comm, verify, _as_key(key))
-        state_dict, ctx = to_state_dict(state, process_group, manifest, loading=True)
-        reader = SafeFileSystemReader(source)
-        index: ChunkIndex | None = None
-        saved: SavedKeys | None = None
-        try:
-            if manifest is not None and INDEX_NAME in {f.name for f in manifest.files}:
-                index = read_index(source)  # [Note: flat coordination]
-                saved = SavedKeys.of_index(index)
-            else:  # torch's checkpoint, or ckpt's from before the index
-                saved = SavedKeys.of_metadata(reader.read_metadata())
-            adopt_saved_names(state_dict, state, ctx.module_for, saved.shapes)
-            dtypes = (local_dtypes(state_dict), saved.dtypes)
-            fit: RankFit | CheckpointError = fit_rank(
-                local_shapes(state_dict), saved.shapes, list(state), dtypes
-            )
-        except CheckpointError as e:
-            fit = e
-        direct = index is not None and readable(state_dict)
-        step = ["planning"]  # the plan, then the reads ([Note: naming a fault ...])
-        with named_faults("load", source, comm, lambda e: step[0], _partly_read):
-            fits = comm.all_gather((pack_fit(fit, saved), direct))
-            for packed, _ in fits:  # the same files on every rank: normally all or none fail
-                if isinstance(packed.fit, CheckpointError):
-                    raise packed.fit
-            error = combine_fits(source, unpack_fits([f for f, _ in fits], saved), strict)
-            if error is not None:
-                raise error
-            if index is not None and all(d for _, d in fits):
-                step[0] = "reading"
-                _read_indexed(source, index, state_dict, safe_globals, comm)
-            else:
-                reader.on_read = lambda: step.__setitem__(0, "reading")
-                _read_through_dcp(source, reader, state_dict, safe_globals, comm, strict=strict)
-        apply_loaded(state, state_dict, ctx)
+        indexed = manifest is not None and INDEX_NAME in {f.name for f in manifest.files}
+        read_into(
+            state, source, SafeFileSystemReader(source), manifest,
+            comm=comm, strict=strict, safe_globals=safe_globals, process_group=process_group,
+            index_at=source if indexed else None,
+        )  # fmt: skip
         return CheckpointInfo(source, manifest)
+
+
+def read_into(
+    state: Mapping[str, Any],
+    source: Path,
+    reader: SafeFileSystemReader,
+    manifest: Manifest | None,
+    *,
+    comm: Comm,
+    strict: bool,
+    safe_globals: SafeGlobals,
+    process_group: dist.ProcessGroup | None,
+    call: str = "load",
+    index_at: Path | None = None,
+) -> None:
+    """The reading half of ``load``, from wherever ``reader`` reads: every rank checks
+    that the saved keys and shapes fit ``state`` (all share the verdict), then each rank
+    reads the pieces it needs (resharding to this world size) and ``state`` takes them.
+
+    ``source`` names the checkpoint in errors; ``manifest`` (if any) tells adapters what
+    was saved. A disk load passes a reader of the checkpoint's folder and, where ckpt
+    wrote an index there (``index_at``), every rank reads its byte ranges by the index
+    ([Note: flat coordination] in ``_format/chunk_table.py``); otherwise DCP reads
+    through ``reader`` (the memory tier's, ``_memory/``, reads each piece from whichever
+    surviving rank holds it).
+    """
+    state_dict, ctx = to_state_dict(state, process_group, manifest, loading=True)
+    index: ChunkIndex | None = None
+    saved: SavedKeys | None = None
+    try:
+        if index_at is not None:
+            index = read_index(index_at)
+            saved = SavedKeys.of_index(index)
+        else:  # torch's checkpoint, ckpt's from before the index, the memory tier
+            saved = SavedKeys.of_metadata(reader.read_metadata())
+        adopt_saved_names(state_dict, state, ctx.module_for, saved.shapes)
+        dtypes = (local_dtypes(state_dict), saved.dtypes)
+        fit: RankFit | CheckpointError = fit_rank(
+            local_shapes(state_dict), saved.shapes, list(state), dtypes
+        )
+    except CheckpointError as e:
+        fit = e
+    direct = index is not None and readable(state_dict)
+    step = ["planning"]  # the plan, then the reads ([Note: naming a fault ...])
+    with named_faults(call, source, comm, lambda e: step[0], _partly_read):
+        fits = comm.all_gather((pack_fit(fit, saved), direct))
+        for packed, _ in fits:  # the same files on every rank: normally all or none fail
+            if isinstance(packed.fit, CheckpointError):
+                raise packed.fit
+        error = combine_fits(source, unpack_fits([f for f, _ in fits], saved), strict)
+        if error is not None:
+            raise error
+        if index is not None and all(d for _, d in fits):
+            step[0] = "reading"
+            _read_indexed(source, index, state_dict, safe_globals, comm)
+        else:
+            reader.on_read = lambda: step.__setitem__(0, "reading")
+            _read_through_dcp(source, reader, state_dict, safe_globals, comm, strict=strict)
+    apply_loaded(state, state_dict, ctx)

@@ -60,7 +60,14 @@ from ckpt._format.disk_space import SpaceCheckingWriter
 from ckpt._format.manifest import Checksum, FileRecord
 from ckpt._format.tensor_blob import without_record_crc
 
-__all__ = ["WRITEBACK_BYTES", "CheckpointWriter", "Digest", "commit_result", "start_writeback"]
+__all__ = [
+    "WRITEBACK_BYTES",
+    "CheckpointWriter",
+    "Digest",
+    "commit_result",
+    "start_writeback",
+    "without_record_crc",
+]
 
 # Start the write-back of a file's bytes to the disk every this many bytes written.
 WRITEBACK_BYTES = 32 << 20
