@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from ckpt._errors import CheckpointError, ShapeMismatch, StateDictMismatchError
@@ -50,10 +49,9 @@ Shape = tuple[int, ...] | None
 _OTHER_MODEL_OVERLAP = 0.5
 
 
-def local_shapes(state_dict: Mapping[str, Any]) -> dict[str, Shape]:
-    """Flattened DCP keys of a state dict with their global shapes (DTensor, runs:
-    the whole tensor's)."""
-    flat, _ = flatten_state_dict(dict(state_dict))
+def local_shapes(flat: Mapping[str, Any]) -> dict[str, Shape]:
+    """The keys of a flattened state dict (DCP's ``flatten_state_dict``) with their
+    global shapes (DTensor, runs: the whole tensor's)."""
     return {
         key: tuple(value.shape) if isinstance(value, (torch.Tensor, FlatPieces)) else None
         for key, value in flat.items()
@@ -68,9 +66,8 @@ def saved_shapes(metadata: Metadata) -> dict[str, Shape]:
     }
 
 
-def local_dtypes(state_dict: Mapping[str, Any]) -> dict[str, torch.dtype]:
-    """The dtype of every tensor entry of a state dict, by flattened DCP key."""
-    flat, _ = flatten_state_dict(dict(state_dict))
+def local_dtypes(flat: Mapping[str, Any]) -> dict[str, torch.dtype]:
+    """The dtype of every tensor entry of a flattened state dict, by key."""
     return {k: v.dtype for k, v in flat.items() if isinstance(v, (torch.Tensor, FlatPieces))}
 
 

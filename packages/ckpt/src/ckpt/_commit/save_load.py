@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
@@ -72,7 +73,7 @@ from ckpt._errors import (
 )
 from ckpt._format import layout
 from ckpt._format.chunk_index import INDEX_NAME, ChunkIndex, data_file_name, read_index
-from ckpt._format.chunk_reader import read_chunks, readable
+from ckpt._format.chunk_reader import Template, read_chunks, readable
 from ckpt._format.chunk_table import LocalItems, local_items
 from ckpt._format.data_file import write_data_file, write_small_file
 from ckpt._format.disk_space import (
@@ -336,33 +337,42 @@ class _SaveTransaction:
         self.step = step
 
     def write(
-        self, state_dict: dict[str, Any], on_commit: Callable[[], None] | None = None
+        self,
+        state_dict: dict[str, Any],
+        on_commit: Callable[[], None] | None = None,
+        items: LocalItems | None = None,
     ) -> CheckpointInfo:
         """Every rank writes its rows into the partial directory, in parallel; rank 0
         commits once all are written, then runs ``on_commit`` (round 2 of [Note: flat
         coordination]; through DCP's planner when a value only it knows is saved).
 
-        Every rank returns only after rank 0 committed and ran ``on_commit``.
+        Every rank returns only after rank 0 committed and ran ``on_commit``. ``items``
+        are ``state_dict``'s as planned, when the caller has them (a synchronous save:
+        the same state dict; an asynchronous one writes a copy and has them found again).
         """
         self._expect(SaveState.PREPARED)
         if not self.dcp:
-            return self._write_flat(state_dict, on_commit)
+            return self._write_flat(state_dict, on_commit, items)
         return self._write_dcp(state_dict, on_commit)
 
     def _write_flat(
-        self, state_dict: dict[str, Any], on_commit: Callable[[], None] | None
+        self,
+        state_dict: dict[str, Any],
+        on_commit: Callable[[], None] | None,
+        items: LocalItems | None,
     ) -> CheckpointInfo:
         memo = PlanMemo.of(self.comm)
         partial = self.partial
         self.step = "writing"
         report: WriteReport
         try:
-            items = local_items(state_dict)
-            if items.table.fingerprint() != self.fingerprint:
-                raise CheckpointError(
-                    f"the state written to {self.path} changed its keys or shapes between "
-                    f"the save's planning and its write"
-                )
+            if items is None:  # a copy of the state planned: the same structure
+                items = local_items(state_dict)
+                if items.table.fingerprint() != self.fingerprint:
+                    raise CheckpointError(
+                        f"the state written to {self.path} changed its keys or shapes "
+                        f"between the save's planning and its write"
+                    )
             values = [items.values[row] for row in self.writes]
             name = data_file_name(self.comm.rank)
             stored, record = write_data_file(partial / name, values, self.checksum)
@@ -754,8 +764,9 @@ def save(
             peers(comm)
         state_dict, _ = to_state_dict(state, process_group)  # by reference, no collective
         tx = _SaveTransaction(target, comm, sum_kind, mac_key, state, call="save")
-        tx.prepare(overwrite, local_items(state_dict), _on_prepare)
-        return tx.write(state_dict, _on_commit)
+        items = local_items(state_dict)
+        tx.prepare(overwrite, items, _on_prepare)
+        return tx.write(state_dict, _on_commit, items)
 
 
 @in_phase("async save")
@@ -883,15 +894,15 @@ def verify(
 def _read_indexed(
     source: Path,
     index: ChunkIndex,
-    state_dict: dict[str, Any],
+    template: Template,
     safe_globals: SafeGlobals,
     comm: Comm,
 ) -> None:
-    """Every rank reads what it needs by the index; one rank's failure is every rank's
-    ([Note: one decision, every rank])."""
+    """Every rank reads what it needs by the index into ``template``; one rank's failure
+    is every rank's ([Note: one decision, every rank])."""
     failure = None
     try:
-        read_chunks(source, index, state_dict, safe_globals)
+        read_chunks(source, index, template, safe_globals)
     except Exception as e:
         failure = SharedFailure(e)
     for rank, found in enumerate(comm.all_gather(failure)):
@@ -1017,13 +1028,15 @@ def read_into(
         else:  # torch's checkpoint, ckpt's from before the index, the memory tier
             saved = SavedKeys.of_metadata(reader.read_metadata())
         adopt_saved_names(state_dict, state, ctx.module_for, saved.shapes)
-        dtypes = (local_dtypes(state_dict), saved.dtypes)
+        flat, mappings = flatten_state_dict(state_dict)
+        dtypes = (local_dtypes(flat), saved.dtypes)
         fit: RankFit | CheckpointError = fit_rank(
-            local_shapes(state_dict), saved.shapes, list(state), dtypes
+            local_shapes(flat), saved.shapes, list(state), dtypes
         )
     except CheckpointError as e:
         fit = e
-    direct = index is not None and readable(state_dict)
+        flat, mappings = {}, {}
+    direct = index is not None and readable(flat)
     step = ["planning"]  # the plan, then the reads ([Note: naming a fault ...])
     with named_faults(call, source, comm, lambda e: step[0], _partly_read):
         fits = comm.all_gather((pack_fit(fit, saved), direct))
@@ -1035,7 +1048,8 @@ def read_into(
             raise error
         if index is not None and all(d for _, d in fits):
             step[0] = "reading"
-            _read_indexed(source, index, state_dict, safe_globals, comm)
+            template = Template(state_dict, flat, mappings)
+            _read_indexed(source, index, template, safe_globals, comm)
         else:
             reader.on_read = lambda: step.__setitem__(0, "reading")
             _read_through_dcp(source, reader, state_dict, safe_globals, comm, strict=strict)

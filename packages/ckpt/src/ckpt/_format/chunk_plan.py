@@ -68,40 +68,45 @@ class ChunkPlan:
 
 @dataclass
 class _Seen:
-    """What the tables say of one key, while planning."""
+    """What the tables say of one key, while planning: the first rank's kind, dtype and
+    shape (another rank's that differ make the key ``odd``, described afterwards), and
+    each box's sizes and holders."""
 
     path: KeyPath
-    kinds: dict[int, set[int]]  # kind -> ranks
-    dtypes: dict[int, set[int]]  # dtype code -> ranks
-    shapes: dict[tuple[int, ...], set[int]]  # global shape -> ranks
+    kind: int
+    dtype: int
+    shape: tuple[int, ...]
     boxes: dict[tuple[int, ...], tuple[tuple[int, ...], list[tuple[int, int]]]]
     # offsets -> (sizes, [(rank, row) of every holder])
+    odd: bool = False
 
 
 def plan_chunks(tables: Sequence[ChunkTable]) -> ChunkPlan:
     """The plan of a save whose rank ``r`` holds ``tables[r]``; raises
     :class:`ChunkPlanError` naming every key that does not fit together."""
     seen: dict[str, _Seen] = {}
-    problems: list[str] = []
     for rank, table in enumerate(tables):
         keys = table.keys()
-        for i, row in enumerate(table.decoded()):
-            name = keys[row.key]
+        for i, (k, kind, dtype, offsets, sizes, shape) in enumerate(table.items()):
+            name = keys[k]
             entry = seen.get(name)
             if entry is None:
-                entry = seen[name] = _Seen(table.paths[row.key], {}, {}, {}, {})
-            entry.kinds.setdefault(row.kind, set()).add(rank)
-            entry.dtypes.setdefault(row.dtype, set()).add(rank)
-            entry.shapes.setdefault(row.shape, set()).add(rank)
-            sizes, holders = entry.boxes.setdefault(row.offsets, (row.sizes, []))
-            if sizes != row.sizes:
-                problems.append(
-                    f"{name}: rank {rank} holds a part at {list(row.offsets)} of sizes "
-                    f"{list(row.sizes)}, rank {holders[0][0]} one of sizes {list(sizes)}"
-                )
-            holders.append((rank, i))
+                entry = seen[name] = _Seen(table.paths[k], kind, dtype, shape, {})
+            elif kind != entry.kind or dtype != entry.dtype or shape != entry.shape:
+                entry.odd = True
+            box = entry.boxes.get(offsets)
+            if box is None:
+                entry.boxes[offsets] = (sizes, [(rank, i)])
+                continue
+            if box[0] != sizes:
+                entry.odd = True
+            box[1].append((rank, i))
+    problems = []
     for name, entry in seen.items():
-        problems += _key_problems(name, entry)
+        if entry.odd:
+            problems += _odd_problems(name, tables)
+        elif entry.kind != BYTES:
+            problems += _cover_problems(name, entry)
     if problems:
         raise ChunkPlanError("; ".join(problems))
     return _assign(seen, len(tables))
@@ -111,21 +116,38 @@ def _ranks(by: Mapping[Any, set[int]], say: Callable[[Any], object]) -> str:
     return "; ".join(f"{say(k)} on ranks {sorted(r)}" for k, r in by.items())
 
 
-def _key_problems(name: str, entry: _Seen) -> list[str]:
-    """What is wrong with one key across the ranks (nothing, usually)."""
-    if len(entry.kinds) > 1:
-        kinds = _ranks(entry.kinds, lambda k: "a value" if k == BYTES else "a tensor")
-        return [f"{name}: it is a tensor on some ranks and a value on others ({kinds})"]
-    if BYTES in entry.kinds:
-        return []
-    if len(entry.dtypes) > 1:
-        by_dtype = _ranks(entry.dtypes, dtype_of)
-        return [f"{name}: its parts differ in dtype across ranks ({by_dtype})"]
-    if len(entry.shapes) > 1:
-        by_shape = _ranks(entry.shapes, list)
-        return [f"{name}: its global shape differs across ranks ({by_shape})"]
-    [shape] = entry.shapes
-    want = math.prod(shape)
+def _odd_problems(name: str, tables: Sequence[ChunkTable]) -> list[str]:
+    """What differs about ``name`` across the ranks (a second look, for the message)."""
+    kinds: dict[int, set[int]] = {}
+    dtypes: dict[int, set[int]] = {}
+    shapes: dict[tuple[int, ...], set[int]] = {}
+    boxes: dict[tuple[int, ...], dict[tuple[int, ...], set[int]]] = {}
+    for rank, table in enumerate(tables):
+        keys = table.keys()
+        for k, kind, dtype, offsets, sizes, shape in table.items():
+            if keys[k] == name:
+                kinds.setdefault(kind, set()).add(rank)
+                dtypes.setdefault(dtype, set()).add(rank)
+                shapes.setdefault(shape, set()).add(rank)
+                boxes.setdefault(offsets, {}).setdefault(sizes, set()).add(rank)
+    if len(kinds) > 1:
+        said = _ranks(kinds, lambda k: "a value" if k == BYTES else "a tensor")
+        return [f"{name}: it is a tensor on some ranks and a value on others ({said})"]
+    if len(dtypes) > 1:
+        return [f"{name}: its parts differ in dtype across ranks ({_ranks(dtypes, dtype_of)})"]
+    if len(shapes) > 1:
+        return [f"{name}: its global shape differs across ranks ({_ranks(shapes, list)})"]
+    return [
+        f"{name}: the ranks hold parts at {list(offsets)} of different sizes "
+        f"({_ranks(sizes, list)})"
+        for offsets, sizes in boxes.items()
+        if len(sizes) > 1
+    ]
+
+
+def _cover_problems(name: str, entry: _Seen) -> list[str]:
+    """Whether a tensor's parts (every rank's, replicas counted once) cover it exactly."""
+    want = math.prod(entry.shape)
     have = sum(math.prod(sizes) for sizes, _ in entry.boxes.values())
     if want == have:
         return []
@@ -145,7 +167,7 @@ def _assign(seen: dict[str, _Seen], world_size: int) -> ChunkPlan:
     shared: list[tuple[int, str, tuple[int, ...]]] = []
     nbytes = 0
     for name, entry in seen.items():
-        itemsize = 0 if BYTES in entry.kinds else dtype_of(next(iter(entry.dtypes))).itemsize
+        itemsize = 0 if entry.kind == BYTES else dtype_of(entry.dtype).itemsize
         for offsets, (sizes, holders) in entry.boxes.items():
             size = math.prod(sizes) * itemsize + _PER_ITEM
             nbytes += size
@@ -167,8 +189,5 @@ def _assign(seen: dict[str, _Seen], world_size: int) -> ChunkPlan:
             rank, row = writer[(name, offsets)]
             writes[rank].append(row)
             chunks.append(Chunk(offsets, sizes, rank, row))
-        [kind] = entry.kinds
-        [dtype] = entry.dtypes
-        [shape] = entry.shapes
-        keys[name] = KeyPlan(entry.path, kind, dtype, shape, tuple(chunks))
+        keys[name] = KeyPlan(entry.path, entry.kind, entry.dtype, entry.shape, tuple(chunks))
     return ChunkPlan(keys, tuple(tuple(sorted(w)) for w in writes), nbytes)

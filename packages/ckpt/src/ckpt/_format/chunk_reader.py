@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import io
 import os
-from collections.abc import Iterator
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.tensor import DTensor
 
@@ -40,7 +40,7 @@ from ckpt._format.flat_pieces import FlatPieces
 from ckpt._format.safe_unpickling import SafeGlobals, load_object
 from ckpt._format.tensor_blob import raw_bytes
 
-__all__ = ["read_chunks", "readable"]
+__all__ = ["Template", "read_chunks", "readable"]
 
 Box = tuple[tuple[int, ...], tuple[int, ...], torch.Tensor]  # offsets, sizes, the tensor
 
@@ -64,10 +64,9 @@ def _boxes(value: Any) -> list[Box] | None:
     return None
 
 
-def readable(state_dict: dict[str, Any]) -> bool:
-    """Whether every value of the template is one these reads fill (else the load goes
-    through DCP's planner: a ``ShardedTensor``, another tensor subclass)."""
-    flat, _ = flatten_state_dict(state_dict)
+def readable(flat: Mapping[str, Any]) -> bool:
+    """Whether every value of the (flattened) template is one these reads fill (else the
+    load goes through DCP's planner: a ``ShardedTensor``, another tensor subclass)."""
     return all(_fills(value) for value in flat.values())
 
 
@@ -192,21 +191,27 @@ def _fill(files: _Files, chunks: tuple[IndexedChunk, ...], box: Box, native: boo
             _region(target.detach(), offsets, span).copy_(_region(part, origin, span))
 
 
-def _items(state_dict: dict[str, Any]) -> Iterator[tuple[str, Any, tuple[str | int, ...]]]:
-    flat, mappings = flatten_state_dict(state_dict)
-    for key, value in flat.items():
-        yield key, value, tuple(mappings[key])
+@dataclass(frozen=True)
+class Template:
+    """What a load fills: the state dict, DCP's flattening of it, and the path of each
+    flattened key in the state dict (DCP's mappings)."""
+
+    state_dict: dict[str, Any]
+    flat: Mapping[str, Any]
+    mappings: Mapping[str, Any]
 
 
 def read_chunks(
-    directory: Path, index: ChunkIndex, state_dict: dict[str, Any], safe_globals: SafeGlobals
+    directory: Path, index: ChunkIndex, template: Template, safe_globals: SafeGlobals
 ) -> None:
-    """Fill ``state_dict`` (a load's template) from the checkpoint at ``directory``:
-    tensors in place, pickled values put in their places. Keys the checkpoint lacks
-    are left as they are (the caller checked which may be)."""
+    """Fill ``template`` from the checkpoint at ``directory``: tensors in place, pickled
+    values put in their places in its state dict. Keys the checkpoint lacks are left as
+    they are (the caller checked which may be)."""
+    state_dict, flat, mappings = template.state_dict, template.flat, template.mappings
     files = _Files(directory)
     try:
-        for key, value, path in list(_items(state_dict)):
+        for key, value in flat.items():
+            path = mappings[key]
             saved = index.keys.get(key)
             if saved is None:
                 continue

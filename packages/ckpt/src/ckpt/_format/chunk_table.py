@@ -37,7 +37,7 @@ import hashlib
 import json
 import struct
 from array import array
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,6 +86,7 @@ def dtype_of(code: int) -> torch.dtype:
 
 
 KeyPath = tuple[str | int, ...]  # a key's path in the nested state dict (DCP's mapping)
+Box = tuple[int, ...]  # offsets, sizes or a shape
 
 
 @dataclass(frozen=True)
@@ -131,25 +132,25 @@ class ChunkTable:
         """The flattened key of each path (DCP's: its parts joined by dots)."""
         return [".".join(map(str, p)) for p in self.paths]
 
-    def decoded(self) -> list[Row]:
-        """The rows as :class:`Row` s."""
+    def items(self) -> Iterator[tuple[int, int, int, Box, Box, Box]]:
+        """The rows as ``(key, kind, dtype, offsets, sizes, shape)``, in order."""
         w, step = self.width, 4 + 3 * self.width
         flat = self.rows.tolist()
-        out = []
         for at in range(0, len(flat), step):
-            row = flat[at : at + step]
-            n = row[3]
-            out.append(
-                Row(
-                    row[0],
-                    row[1],
-                    row[2],
-                    tuple(row[4 : 4 + n]),
-                    tuple(row[4 + w : 4 + w + n]),
-                    tuple(row[4 + 2 * w : 4 + 2 * w + n]),
-                )
+            n = flat[at + 3]
+            box = at + 4
+            yield (
+                flat[at],
+                flat[at + 1],
+                flat[at + 2],
+                tuple(flat[box : box + n]),
+                tuple(flat[box + w : box + w + n]),
+                tuple(flat[box + 2 * w : box + 2 * w + n]),
             )
-        return out
+
+    def decoded(self) -> list[Row]:
+        """The rows as :class:`Row` s."""
+        return [Row(*item) for item in self.items()]
 
     def encode(self) -> bytes:
         """The bytes a rank sends: a header, the paths as JSON, the rows."""

@@ -35,25 +35,28 @@ _BUFFER_BYTES = 4 << 20
 
 
 class _Out:
-    """The open file: buffered writes, the running digest, the write-back."""
+    """The open file: pieces gathered in one buffer (checksummed as it is written out),
+    large ones written from their own memory, the write-back started as it goes."""
 
     def __init__(self, path: Path, checksum: Checksum) -> None:
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         self.digest = Digest(checksum)
         self.buffer = bytearray()
-        self.written = 0  # bytes handed to the file (or the buffer)
         self.flushed = 0  # bytes in the file
         self.synced = 0  # bytes whose write-back was started
 
-    def put(self, data: bytes | memoryview) -> None:
-        view = memoryview(data).cast("B")
-        self.digest.update(view)
-        self.written += view.nbytes
-        if view.nbytes >= _BUFFER_BYTES:
-            self.flush()
-            self._write(view)
-            return
-        self.buffer += view
+    @property
+    def written(self) -> int:
+        """Bytes handed over so far (in the file or the buffer)."""
+        return self.flushed + len(self.buffer)
+
+    def put(self, *pieces: bytes | memoryview) -> None:
+        for piece in pieces:
+            if len(piece) >= _BUFFER_BYTES:
+                self.flush()
+                self._write(memoryview(piece).cast("B"))
+            else:
+                self.buffer += piece
         if len(self.buffer) >= _BUFFER_BYTES:
             self.flush()
 
@@ -63,9 +66,11 @@ class _Out:
             self.buffer = bytearray()
 
     def _write(self, view: memoryview) -> None:
+        self.digest.update(view)
+        size = view.nbytes
         while view.nbytes:
             view = view[os.write(self.fd, view) :]
-        self.flushed = self.written - len(self.buffer)
+        self.flushed += size
         if self.flushed - self.synced >= WRITEBACK_BYTES:
             start_writeback(self.fd, self.synced, self.flushed - self.synced)
             self.synced = self.flushed
@@ -93,9 +98,7 @@ def write_data_file(
                 chunk = _host(value)
                 template = template_for(chunk)
                 if template is not None:
-                    out.put(template.head)
-                    out.put(raw_bytes(chunk))
-                    out.put(template.tail)
+                    out.put(template.head, raw_bytes(chunk), template.tail)
                     stored.append((start, out.written - start, start + template.data_at))
                     continue
                 out.put(saved_bytes(own_storage(chunk)))  # no template: torch.save it

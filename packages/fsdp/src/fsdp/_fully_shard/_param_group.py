@@ -108,6 +108,9 @@ class GroupPart:
     # A part of extension parameters: its gather ([Note: all-gather extensions]); the
     # storage then only reduces gradients, and its shard is an empty placeholder.
     extension: ExtensionGather | None
+    # This rank's views of the region ``sync`` last compared with: (region, its data
+    # pointer, the views); see ``sync``.
+    _synced_views: tuple[Tensor, int, list[Tensor]] | None
 
     def __init__(
         self,
@@ -126,6 +129,7 @@ class GroupPart:
         self.post_storage = None
         self.gathered_version = -1
         self.extension = None
+        self._synced_views = None
         if extension:
             self.extension = ExtensionGather(
                 params,
@@ -340,11 +344,24 @@ class GroupPart:
         if self.extension is not None:
             self.extension.sync(current, self.mesh.shard_rank)
             return
-        locals_ = [local_tensor(p) for p in current]
+        # A load_state_dict runs this once per module of the group (each module's post
+        # hook), so a sync that finds nothing changed must cost little: the local tensor
+        # objects (no to_local dispatch), and the region's views kept while the region is
+        # the same memory. A group of 100 parameters loaded module by module spent 2.7 ms
+        # a sync rebuilding views (1.35 s of a 1.9 s ckpt load of 1,000 tensors).
+        locals_ = [local_object(p) for p in current]
         if any(t.is_meta for t in locals_):
             return  # still to be materialised (to_empty); the lazy init checks
         region = self.storage.shard
-        views = self.layout.local_views(region, self.mesh.shard_rank)
+        kept = self._synced_views
+        if kept is None or kept[0] is not region or kept[1] != region.data_ptr():
+            kept = (
+                region,
+                region.data_ptr(),
+                self.layout.local_views(region, self.mesh.shard_rank),
+            )
+            self._synced_views = kept
+        views = kept[2]
         same = (
             region.device.type != "meta"
             and all(t.dtype == region.dtype and t.device == region.device for t in locals_)
