@@ -139,20 +139,24 @@ class _Variant:
         return returned - start, time.perf_counter() - start
 
     def load(self) -> None:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
         import ckpt
 
         if self.ours:
             ckpt.load({"model": self.model, "optim": self.optim}, self.fixed)
             return
-        msd, osd = get_state_dict(self.model, self.optim)
-        state = {"model": msd, "optim": osd}
-        dcp.load(state, checkpoint_id=str(self.fixed))
-        set_state_dict(
-            self.model, self.optim, model_state_dict=state["model"], optim_state_dict=state["optim"]
-        )
+        torch_dcp_load(self.model, self.optim, self.fixed)
+
+
+def torch_dcp_load(model: Any, optim: Any, path: Path) -> None:
+    """torch's load of a model and its optimizer, as a new user writes it:
+    ``get_state_dict``, ``dcp.load``, ``set_state_dict``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    msd, osd = get_state_dict(model, optim)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
 def _state_bytes(variant: _Variant) -> int:

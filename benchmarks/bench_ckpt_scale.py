@@ -40,7 +40,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.bench_ckpt import _shared_root  # one folder for every rank, BENCH_CKPT_DIR
+from benchmarks.bench_ckpt import _shared_root, torch_dcp_load
 from benchmarks.common import Options, Table, fmt_bytes, fmt_ms, launch, median_step_s, ratio
 
 DESCRIPTION = "checkpoint coordination at 2-16 ranks, 100-5,000 tensors: ckpt vs DCP"
@@ -125,21 +125,13 @@ class _Variant:
             dcp.save(state, checkpoint_id=str(path))
 
     def load(self) -> None:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
         import ckpt
 
         assert self.last is not None
         if self.name == OURS:
             ckpt.load({"model": self.model, "optim": self.optim}, self.last)
             return
-        msd, osd = get_state_dict(self.model, self.optim)
-        state = {"model": msd, "optim": osd}
-        dcp.load(state, checkpoint_id=str(self.last))
-        set_state_dict(
-            self.model, self.optim, model_state_dict=state["model"], optim_state_dict=state["optim"]
-        )
+        torch_dcp_load(self.model, self.optim, self.last)
 
 
 def _measured(op: Callable[[], object]) -> tuple[float, int, int]:
