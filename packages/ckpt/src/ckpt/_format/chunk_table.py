@@ -39,7 +39,7 @@ import struct
 from array import array
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
@@ -89,10 +89,9 @@ KeyPath = tuple[str | int, ...]  # a key's path in the nested state dict (DCP's 
 Box = tuple[int, ...]  # offsets, sizes or a shape
 
 
-@dataclass(frozen=True)
-class Row:
+class Row(NamedTuple):
     """One item of a table, decoded: ``offsets``/``sizes``/``shape`` are ``()`` for a
-    pickled value."""
+    pickled value (a tuple: a rank makes thousands per save)."""
 
     key: int  # index into the table's paths
     kind: int  # TENSOR or BYTES

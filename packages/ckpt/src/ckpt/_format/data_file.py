@@ -77,11 +77,11 @@ class _Out:
 
 
 def _host(chunk: torch.Tensor) -> torch.Tensor:
-    """The chunk as a contiguous CPU tensor (a copy only where it must be)."""
-    chunk = chunk.detach()
+    """The chunk as a contiguous CPU tensor (a copy only where it must be; its memory
+    is only read, so no ``detach``)."""
     if chunk.device.type != "cpu":
-        chunk = chunk.to("cpu")
-    return chunk.contiguous()
+        chunk = chunk.detach().to("cpu")
+    return chunk if chunk.is_contiguous() else chunk.detach().contiguous()
 
 
 def write_data_file(

@@ -149,20 +149,21 @@ def templates_hold() -> bool:
     return first is not None and first == second
 
 
-_templates: dict[tuple[torch.dtype, tuple[int, ...]], BlobTemplate | None] = {}
+_templates: dict[tuple[torch.dtype, torch.Size], BlobTemplate | None] = {}
 _MAX_TEMPLATES = 4096  # distinct (dtype, shape) kept; a model has a few dozen
 
 
 def template_for(chunk: torch.Tensor) -> BlobTemplate | None:
     """The template of a contiguous CPU ``chunk``'s dtype and shape (cached per
     process), or None: write it with ``torch.save`` (see [Note: blob templates])."""
-    if type(chunk) is not torch.Tensor or chunk.layout != torch.strided or chunk.is_quantized:
+    if type(chunk) is not torch.Tensor or chunk.layout != torch.strided:
         return None
-    if not chunk.is_contiguous() or chunk.device.type != "cpu" or not templates_hold():
+    if not chunk.is_contiguous() or chunk.device.type != "cpu":
         return None
-    key = (chunk.dtype, tuple(chunk.shape))
+    key = (chunk.dtype, chunk.shape)
     if key not in _templates:
         if len(_templates) >= _MAX_TEMPLATES:
             _templates.clear()
-        _templates[key] = _split(chunk)
+        held = templates_hold() and not chunk.is_quantized
+        _templates[key] = _split(chunk) if held else None
     return _templates[key]
