@@ -256,7 +256,8 @@ def run(options: Options) -> list[Table]:
                     first = median_step_s([r["times"][f"{OURS}|first save"] for r in results])
                     repeated.add(world, count, fmt_ms(first), fmt_ms(medians[OURS]),
                                  ratio(medians[OURS], first))  # fmt: skip
-            print(f"  ({world} ranks, {count} tensors: {took:.0f} s)", flush=True)
+            point = "; ".join(" ".join(row[2:]) for row in table.rows[-len(OPS) :])
+            print(f"  ({world} ranks, {count} tensors, {took:.0f} s: {point})", flush=True)
     ours_first = [r for r in table.rows if r[2] == "first save"]
     table.notes += [
         "rounds: torch.distributed primitive calls of one operation (the most of any rank); "
