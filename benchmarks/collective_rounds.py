@@ -10,7 +10,7 @@ bytes of the tensors this rank contributes: its input of an all-gather, gather,
 all-to-all or all-reduce, the tensor of a broadcast or the list of a scatter when this
 rank is the source. A primitive called inside another is not counted twice.
 
-``tests/ckpt/test_flat_rounds.py`` counts ckpt's rounds with it, and ``bench_ckpt_scale``
+``tests/ckpt/test_flat_coordination.py`` counts ckpt's rounds with it, and ``bench_ckpt_scale``
 ckpt's and DCP's.
 """
 

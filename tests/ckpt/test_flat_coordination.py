@@ -79,3 +79,59 @@ def test_rounds_do_not_grow_with_tensors_or_ranks(tmp_path: Path, front: str) ->
     # One count per operation: the same at 2 and 4 ranks, for 10 and 200 tensors, on
     # every rank (a first save plans, a repeated one reuses the plan in as many rounds).
     assert seen == {"first save": {9}, "save": {9}, "load": {9}}, seen
+
+
+def _sharded(group: Any) -> nn.Module:
+    """A 64x64 weight under our ``fully_shard`` on ``group``'s ranks."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64, bias=False))
+    fully_shard(model, mesh=DeviceMesh.from_group(group, "cpu"))
+    return model
+
+
+def _rank_bytes_read(root: str, saved_on: int, loaded_on: int) -> dict[str, int] | None:
+    """Save on the first ``saved_on`` ranks, load on the first ``loaded_on``: the bytes
+    this rank's load read, and the tensor bytes it holds."""
+    from ckpt._format import chunk_reader
+
+    path = Path(root) / "c"
+    save_group = dist.new_group(list(range(saved_on)))
+    load_group = dist.new_group(list(range(loaded_on)))
+    if dist.get_rank() < saved_on:
+        ckpt.save({"model": _sharded(save_group)}, path, process_group=save_group)
+    dist.barrier()
+    if dist.get_rank() >= loaded_on:
+        return None
+    model = _sharded(load_group)
+    read: list[int] = []
+    real = chunk_reader._Files.read_into
+
+    def counted(self: Any, name: str, at: int, buffer: memoryview) -> None:
+        read.append(buffer.nbytes)
+        real(self, name, at, buffer)
+
+    chunk_reader._Files.read_into = counted  # type: ignore[method-assign]
+    try:
+        ckpt.load({"model": model}, path, process_group=load_group)
+    finally:
+        chunk_reader._Files.read_into = real  # type: ignore[method-assign]
+    local = next(iter(model.parameters())).to_local()
+    return {"read": sum(read), "holds": local.numel() * local.element_size()}
+
+
+@pytest.mark.parametrize(("saved_on", "loaded_on"), [(2, 4), (4, 2)])
+def test_a_load_reads_only_the_byte_ranges_it_needs(
+    tmp_path: Path, saved_on: int, loaded_on: int
+) -> None:
+    """Saved at one world size, loaded at another: each rank reads the rows of the
+    saved chunks that overlap its own shard, no more (the weight is 16 KiB; a rank
+    holds 16 KiB / world)."""
+    world = max(saved_on, loaded_on)
+    out = run_ranks(_rank_bytes_read, world, str(tmp_path), saved_on, loaded_on, timeout=120)
+    for found in out[:loaded_on]:
+        assert found is not None
+        assert found["read"] == found["holds"] == 64 * 64 * 4 // loaded_on, out
