@@ -1,12 +1,16 @@
-"""``save``, ``async_save``, ``load`` and ``verify``: DCP underneath, committed atomically.
+"""``save``, ``async_save``, ``load`` and ``verify``: DCP's format, committed atomically.
 
-A save is a :class:`_SaveTransaction` through the states of :class:`SaveState`:
-rank 0 takes the target's lease, checks the path and creates the save's own partial
-directory (``prepare``; [Note: one writer per checkpoint] in ``_format/lease.py``), every rank
-writes its shards there with DCP, hashing the bytes as they are written, and rank 0,
-in DCP's last step, writes the manifest and renames the directory into place
-(``write``). See [Note: atomic commit] in ``layout.py``, [Note: integrity] in
-``_format/manifest.py`` and [Note: one pass over the bytes] in ``_format/writer.py``.
+A save is a :class:`_SaveTransaction` through the states of :class:`SaveState`, in two
+collective rounds after the call's agreement ([Note: flat coordination] in
+``_format/chunk_table.py``): every rank's table goes to rank 0, which takes the target's
+lease, checks the path, creates the save's own partial directory and plans who writes
+what (``prepare``; [Note: one writer per checkpoint] in ``_format/lease.py``); every rank
+writes its data file there, hashing the bytes as they are written; rank 0, once every
+rank reported, writes DCP's ``.metadata``, ckpt's index and the manifest and renames the
+directory into place (``write``). See [Note: atomic commit] in ``layout.py``, [Note:
+integrity] in ``_format/manifest.py`` and [Note: one pass over the bytes] in
+``_format/writer.py``. A state holding a value only DCP's own planner knows (a
+``ShardedTensor``) is written through DCP instead, in the same transaction.
 
 ``save`` and ``async_save`` share one path ([Note: capture, then copy or write] in
 ``_wrappers/fsdp1_runs.py``): the state is captured by reference without communication,
@@ -16,11 +20,12 @@ and written on a background thread over the checkpoint's own process group
 
 A load reads the manifest (and checks its HMAC when given a key), has every rank verify
 a balanced share of the files, checks the keys and shapes against the state on every
-rank, and only then lets DCP read, through a reader and planner that never run code
-from the checkpoint ([Note: no code from a checkpoint] in ``_format/safe_unpickling.py``).
-Every decision is shared before anyone acts ([Note: one decision, every rank]). A
-peer that dies or hangs inside is named ([Note: naming a fault inside a checkpoint] in
-``_commit/peer_faults.py``).
+rank, and only then reads: by ckpt's index, each rank the byte ranges it needs, or, for
+a checkpoint without one (torch's), through DCP with a reader and planner that never
+run code from the checkpoint ([Note: no code from a checkpoint] in
+``_format/safe_unpickling.py``). Every decision is shared before anyone acts ([Note:
+one decision, every rank]). A peer that dies or hangs inside is named ([Note: naming a
+fault inside a checkpoint] in ``_commit/peer_faults.py``).
 """
 
 from __future__ import annotations
@@ -166,6 +171,8 @@ class _SaveTransaction:
     dcp: bool  # written through DCP's own planner (a value only it knows)
     writes: tuple[int, ...]  # this rank's rows of its table to write
     fingerprint: str  # of this rank's table, as planned
+    new_plan: bool  # planned anew (not the last save's plan)
+    early: dict[str, tuple[bytes, FileRecord]]  # rank 0: files written before the last round
 
     def __init__(
         self,
@@ -192,6 +199,8 @@ class _SaveTransaction:
         self.dcp = False
         self.writes = ()
         self.fingerprint = ""
+        self.new_plan = True
+        self.early = {}
 
     def _expect(self, *states: SaveState) -> None:
         assert self.state in states, f"save to {self.path} is {self.state}, expected {states}"
@@ -251,6 +260,7 @@ class _SaveTransaction:
             raise
         memo.adopt(decision, self.comm.rank, proposal.fingerprint)
         self.token, self.expected, self.dcp = decision.token, decision.expected, decision.dcp
+        self.new_plan = decision.writes is not None
         self.writes = memo.writes
         self.fingerprint = proposal.fingerprint
         if decision.removed and self.comm.is_coordinator:
@@ -373,6 +383,8 @@ class _SaveTransaction:
                         f"the state written to {self.path} changed its keys or shapes "
                         f"between the save's planning and its write"
                     )
+            if self.comm.is_coordinator:
+                self.early = self._early_files(memo)
             values = [items.values[row] for row in self.writes]
             name = data_file_name(self.comm.rank)
             stored, record = write_data_file(partial / name, values, self.checksum)
@@ -415,8 +427,13 @@ class _SaveTransaction:
                 raise self._write_failure(failed, needed)
             metadata, index = memo.built(reports)
             records = [r.record for r in reports if r.record is not None]
-            records.append(write_small_file(partial / METADATA_NAME, metadata, self.checksum))
-            records.append(write_small_file(partial / INDEX_NAME, index, self.checksum))
+            for name, data in ((METADATA_NAME, metadata), (INDEX_NAME, index)):
+                early = self.early.get(name)
+                if early is not None and early[0] is data:  # written already, and right
+                    records.append(early[1])
+                    continue
+                (partial / name).unlink(missing_ok=True)
+                records.append(write_small_file(partial / name, data, self.checksum))
             return self._seal(records, on_commit)
         except BaseException as e:
             if self.state is not SaveState.COMMITTED:
@@ -425,6 +442,20 @@ class _SaveTransaction:
             if is_disk_full(e) and not isinstance(e, DiskFullError):
                 raise disk_full(self.path, needed) from e  # measured after the cleanup
             raise
+
+    def _early_files(self, memo: PlanMemo) -> dict[str, tuple[bytes, FileRecord]]:
+        """Rank 0, in a save under the plan of the last one: that save's ``.metadata``
+        and index, this one's too when the ranks' byte ranges are the same (the step to
+        step case), written now, while every rank writes its data, instead of after the
+        last round; the commit checks that they are this save's and rewrites them if
+        not."""
+        cached = None if self.new_plan else memo.cached_files()
+        if cached is None:
+            return {}
+        return {
+            name: (data, write_small_file(self.partial / name, data, self.checksum))
+            for name, data in zip((METADATA_NAME, INDEX_NAME), cached, strict=True)
+        }
 
     def _write_failure(
         self, failed: list[tuple[int, SharedFailure]], needed: int | None

@@ -237,6 +237,13 @@ class PlanMemo:
         current.metadata, current.index = metadata, index
         return metadata, index
 
+    def cached_files(self) -> tuple[bytes, bytes] | None:
+        """Rank 0: the ``.metadata`` and index the current plan last produced, if any."""
+        current = self.coordinated
+        if current is None or current.metadata is None or current.index is None:
+            return None
+        return current.metadata, current.index
+
     def forget_reports(self) -> None:
         """After a failed write: the next report sends its byte ranges again (rank 0
         may not have taken them in)."""
