@@ -215,13 +215,14 @@ class Trainer:
         cfg = self.cfg
         if self.snapshots is not None and resume == NEWEST:
             found = self.snapshots.find_latest()
-            self.reporter.print(found.line)
             if found.source == "memory":
                 state = load_snapshot(
                     self.snapshots, found, self.model, self.optimizer, cfg.model_shape()
                 )
+                self.reporter.print(found.line)
                 self._resumed(state, None)  # found.line said where from
                 return self._left_to_train(f"the snapshot of step {self.step}")
+            self.reporter.print(found.line)
         while True:
             plan: ResumePlan = _broadcast(
                 choose_checkpoint(
@@ -352,14 +353,14 @@ class Trainer:
                 log_now = step % cfg.log_every == 0 or step == first_step + 1
                 record, stop_now = self.train_step(step, stop.requested, measure=log_now)
                 self.step = step
-                if cfg.snapshot_every and step % cfg.snapshot_every == 0:
-                    self.snapshot()  # before the step is reported: a printed step is kept
                 if log_now:
                     self.memory = gather_memory(self._memory, self.env.device)
                     record[f"{resident_kind(self.env.device)}_bytes"] = [
                         m.resident for m in self.memory
                     ]
                 self.history.append(record)
+                if cfg.snapshot_every and step % cfg.snapshot_every == 0:
+                    self.snapshot()  # with its record, before it is printed: a printed step is kept
                 self.reporter.append_metrics(record)
                 self.reporter.advance(record)
                 if log_now:

@@ -281,3 +281,26 @@ def test_choose_takes_the_newest_step_of_which_every_shard_survives() -> None:
     old, new = _held(4, 0, world=1, gen="old"), Held("new", 4, 0, 1, 99.0, False)
     choice, _ = choose([Holding("a", (old, new))])
     assert choice is not None and choice.generation == "new"
+
+
+def _mismatched_steps(tmp: str, machines: list[str]) -> str:
+    kind = KINDS[1]
+    model, optim = wrap(kind)
+    memory = _tier(tmp, kind, machines)
+    train(model, optim, 0, 1)
+    memory.save(1 + dist.get_rank(), {"model": model, "optim": optim})
+    try:
+        memory.wait()
+    except ckpt.SnapshotError as e:
+        return str(e)
+    return "no error"
+
+
+def test_ranks_that_snapshot_different_steps_are_told_which(tmp_path: Path) -> None:
+    (tmp_path / KINDS[1] / "A").mkdir(parents=True)
+    (tmp_path / KINDS[1] / "B").mkdir()
+    for rank, message in enumerate(
+        run_ranks(_mismatched_steps, 2, str(tmp_path), ["A", "B"], timeout=60)
+    ):
+        assert message.startswith(f"rank {rank}: replicating the snapshot of step {rank + 1}")
+        assert "the ranks snapshot different steps ([1, 2], by rank)" in message, message

@@ -9,8 +9,8 @@ collectives, as ``async_save``'s writer does not):
    ([Note: replicas on another machine]) and receives those it keeps for others,
    straight into their slot files (memory-mapped: no copy beside the kernel's);
 2. commits each received replica by writing its descriptor after its data;
-3. agrees with every rank (one all-reduce of the step, MIN) that the step is complete
-   on both copies everywhere.
+3. agrees with every rank that the step is complete on both copies everywhere (one
+   all-gather of the step each rank snapshot, which also names ranks that disagree).
 
 The next ``save`` waits for this first, and only then overwrites the slot of the step
 before, so at every moment some complete step survives the loss of any one machine:
@@ -106,10 +106,16 @@ class Replication:
         try:
             if self._group is not None:
                 self._exchange()
-                step = torch.tensor([self.own.step], dtype=torch.int64)
-                dist.all_reduce(step, op=dist.ReduceOp.MIN, group=self._group)
-                if int(step) != self.own.step:
-                    raise RuntimeError(f"ranks snapshot different steps ({int(step)})")
+                world = dist.get_world_size(self._group)
+                steps = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+                mine = torch.tensor([self.own.step], dtype=torch.int64)
+                dist.all_gather(steps, mine, group=self._group)
+                taken = [int(s) for s in steps]
+                if any(s != self.own.step for s in taken):
+                    raise RuntimeError(
+                        f"the ranks snapshot different steps ({taken}, by rank): call save "
+                        "on every rank with the same step"
+                    )
             self.agreed = True
             self._on_agreed(self.own)
         except BaseException as e:
