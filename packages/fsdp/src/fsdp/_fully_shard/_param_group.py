@@ -300,6 +300,8 @@ class GroupPart:
             replicate_size=info.replicate_size,
             record_streams=False,
             comm_policy=comm_policy,
+            # An extension part's gather is the extension's, over ``info``'s (world) group.
+            across=info.across if self.extension is None else None,
         )
 
     def update_reduction(self) -> None:
