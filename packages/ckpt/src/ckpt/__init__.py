@@ -5,7 +5,9 @@ plain objects (like DCP's); every rank writes its own shards; the checkpoint app
 by one atomic rename after all ranks finish, with a manifest of checksums that
 ``load`` verifies first (and never runs code from the checkpoint; a ``key`` signs and
 checks the manifest). ``CheckpointManager`` keeps step-numbered checkpoints for a
-training loop; ``load_pretrained`` fills a sharded model from safetensors weights
+training loop; ``MemorySnapshots`` keeps the training state in host memory every few
+steps, replicated on another machine, so a lost worker or machine costs no steps;
+``load_pretrained`` fills a sharded model from safetensors weights
 shard by shard; the ``ckpt`` program (``python -m ckpt``) lists, inspects, verifies
 and exports checkpoints. ``get_state_dict``/``set_state_dict`` and the rest of
 ``torch.distributed.checkpoint.state_dict``'s API work on our wrappers too
@@ -41,6 +43,7 @@ from ckpt._errors import (
     UnsafeCheckpointError,
 )
 from ckpt._format.manifest import MANIFEST_NAME, Checksum, FileRecord, Manifest
+from ckpt._memory.snapshots import Found, MemorySnapshots, SnapshotError
 from ckpt._state_dict_api.functions import (
     StateDictOptions,
     get_model_state_dict,
@@ -97,12 +100,14 @@ __all__ = [
     "DiskFullError",
     "FileProblem",
     "FileRecord",
+    "Found",
     "FullOptimStateDictConfig",
     "FullStateDictConfig",
     "LocalOptimStateDictConfig",
     "LocalShardMismatchError",
     "LocalStateDictConfig",
     "Manifest",
+    "MemorySnapshots",
     "NotACheckpointError",
     "OptimStateDictConfig",
     "OptimStateKeyType",
@@ -113,6 +118,7 @@ __all__ = [
     "ShardedOptimStateDictConfig",
     "ShardedStateDictConfig",
     "SignatureError",
+    "SnapshotError",
     "StateAdapter",
     "StateContext",
     "StateDictConfig",

@@ -95,6 +95,7 @@ __all__ = [
     "CheckpointInfo",
     "async_save",
     "load",
+    "read_into",
     "save",
     "verify",
     "wait_pending",
@@ -736,41 +737,66 @@ def load(
             peers(comm)
         with named_faults("load", source, comm, "verifying", _nothing_read):
             manifest = _open_checkpoint(source, comm, verify, _as_key(key))
-        state_dict, ctx = to_state_dict(state, process_group, manifest, loading=True)
-        reader = SafeFileSystemReader(source)
-        try:
-            metadata = reader.read_metadata()
-            adopt_saved_names(state_dict, state, ctx.module_for, metadata.state_dict_metadata)
-            dtypes = (local_dtypes(state_dict), saved_dtypes(metadata))
-            fit: RankFit | CheckpointError = fit_rank(
-                local_shapes(state_dict), saved_shapes(metadata), list(state), dtypes
-            )
-        except CheckpointError as e:
-            fit = e
-        step = ["planning"]  # DCP's plan, then its reads ([Note: naming a fault ...])
-        with named_faults("load", source, comm, lambda e: step[0], _partly_read):
-            fits = comm.all_gather(fit)
-            for rank_fit in fits:  # the same files on every rank: normally all or none fail
-                if isinstance(rank_fit, CheckpointError):
-                    raise rank_fit
-            error = combine_fits(source, [f for f in fits if isinstance(f, RankFit)], strict)
-            if error is not None:
-                raise error
-            reader.on_read = lambda: step.__setitem__(0, "reading")
-            try:
-                if not comm.distributed:
-                    _quiet_single_process()
-                dcp_load(
-                    state_dict,
-                    storage_reader=reader,
-                    planner=SafeLoadPlanner(source, safe_globals, allow_partial_load=not strict),
-                    process_group=process_group,
-                    no_dist=not comm.distributed,
-                )
-            except CheckpointException as e:
-                for exc, _ in e.failures.values():
-                    if isinstance(exc, UnsafeCheckpointError):
-                        raise exc from None
-                raise _dcp_failure(f"read {source}", e) from e
-        apply_loaded(state, state_dict, ctx)
+        read_into(
+            state, source, SafeFileSystemReader(source), manifest,
+            comm=comm, strict=strict, safe_globals=safe_globals, process_group=process_group,
+        )  # fmt: skip
         return CheckpointInfo(source, manifest)
+
+
+def read_into(
+    state: Mapping[str, Any],
+    source: Path,
+    reader: SafeFileSystemReader,
+    manifest: Manifest | None,
+    *,
+    comm: Comm,
+    strict: bool,
+    safe_globals: SafeGlobals,
+    process_group: dist.ProcessGroup | None,
+    call: str = "load",
+) -> None:
+    """The reading half of ``load``, from wherever ``reader`` reads: every rank checks
+    that the saved keys and shapes fit ``state`` (all share the verdict), then DCP reads
+    the pieces each rank needs (resharding to this world size) and ``state`` takes them.
+
+    ``source`` names the checkpoint in errors; ``manifest`` (if any) tells adapters what
+    was saved. A disk load passes a reader of the checkpoint's folder; the memory tier
+    (``_memory/``) one that reads each piece from whichever surviving rank holds it.
+    """
+    state_dict, ctx = to_state_dict(state, process_group, manifest, loading=True)
+    try:
+        metadata = reader.read_metadata()
+        adopt_saved_names(state_dict, state, ctx.module_for, metadata.state_dict_metadata)
+        dtypes = (local_dtypes(state_dict), saved_dtypes(metadata))
+        fit: RankFit | CheckpointError = fit_rank(
+            local_shapes(state_dict), saved_shapes(metadata), list(state), dtypes
+        )
+    except CheckpointError as e:
+        fit = e
+    step = ["planning"]  # DCP's plan, then its reads ([Note: naming a fault ...])
+    with named_faults(call, source, comm, lambda e: step[0], _partly_read):
+        fits = comm.all_gather(fit)
+        for rank_fit in fits:  # the same files on every rank: normally all or none fail
+            if isinstance(rank_fit, CheckpointError):
+                raise rank_fit
+        error = combine_fits(source, [f for f in fits if isinstance(f, RankFit)], strict)
+        if error is not None:
+            raise error
+        reader.on_read = lambda: step.__setitem__(0, "reading")
+        try:
+            if not comm.distributed:
+                _quiet_single_process()
+            dcp_load(
+                state_dict,
+                storage_reader=reader,
+                planner=SafeLoadPlanner(source, safe_globals, allow_partial_load=not strict),
+                process_group=process_group,
+                no_dist=not comm.distributed,
+            )
+        except CheckpointException as e:
+            for exc, _ in e.failures.values():
+                if isinstance(exc, UnsafeCheckpointError):
+                    raise exc from None
+            raise _dcp_failure(f"read {source}", e) from e
+    apply_loaded(state, state_dict, ctx)

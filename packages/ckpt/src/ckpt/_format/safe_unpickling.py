@@ -62,6 +62,7 @@ __all__ = [
     "check_objects",
     "load_object",
     "read_metadata",
+    "unpickle_metadata",
 ]
 
 METADATA_NAME = ".metadata"
@@ -141,19 +142,27 @@ def read_metadata(directory: Path) -> Metadata:
     ``CorruptCheckpointError`` for a missing, truncated or malformed file, so a broken
     checkpoint never reaches the caller as a raw ``AttributeError`` from DCP.
     """
-    path = directory / METADATA_NAME
+    try:
+        with open(directory / METADATA_NAME, "rb") as f:
+            return unpickle_metadata(f, directory, METADATA_NAME)
+    except FileNotFoundError:
+        raise file_problem(
+            directory, METADATA_NAME, "unreadable", "missing: a DCP checkpoint always has one"
+        ) from None
+
+
+def unpickle_metadata(stream: IO[bytes], directory: Path, name: str) -> Metadata:
+    """DCP metadata pickled in ``stream`` up to its end (``name`` in ``directory``, for
+    messages), with the checks of :func:`read_metadata`."""
 
     def broken(detail: str) -> CorruptCheckpointError:
-        return file_problem(directory, METADATA_NAME, "unreadable", detail)
+        return file_problem(directory, name, "unreadable", detail)
 
     try:
-        with open(path, "rb") as f:
-            metadata = _MetadataUnpickler(f, directory).load()
-            trailing = f.read(1)
+        metadata = _MetadataUnpickler(stream, directory).load()
+        trailing = stream.read(1)
     except UnsafeCheckpointError:
         raise
-    except FileNotFoundError:
-        raise broken("missing: a DCP checkpoint always has one") from None
     except Exception as e:  # any malformed pickle: EOFError, UnpicklingError, TypeError, ...
         raise broken(f"not a DCP metadata pickle ({type(e).__name__}: {e})") from None
     if not isinstance(metadata, Metadata):
@@ -165,13 +174,13 @@ def read_metadata(directory: Path) -> Metadata:
     ):
         raise broken("its state_dict_metadata or storage_data is not a dict")
     for info in (metadata.storage_data or {}).values():
-        name = getattr(info, "relative_path", None)
-        plain = isinstance(name, str) and Path(name).name == name and name not in ("", ".", "..")
-        if not plain or "\\" in str(name):
+        file = getattr(info, "relative_path", None)
+        plain = isinstance(file, str) and Path(file).name == file and file not in ("", ".", "..")
+        if not plain or "\\" in str(file):
             raise UnsafeCheckpointError(
                 directory,
-                METADATA_NAME,
-                f"a data file path {name!r}",
+                name,
+                f"a data file path {file!r}",
                 "DCP names its data files inside the checkpoint directory; this one is not",
             )
     if getattr(metadata, "storage_meta", None) is None:

@@ -60,7 +60,7 @@ from torch.futures import Future
 from ckpt._format.disk_space import SpaceCheckingWriter
 from ckpt._format.manifest import Checksum, FileRecord
 
-__all__ = ["CheckpointWriter", "commit_result"]
+__all__ = ["CheckpointWriter", "commit_result", "without_record_crc"]
 
 # Start the write-back of a file's bytes to the disk every this many bytes written.
 _WRITEBACK_BYTES = 32 << 20
@@ -103,7 +103,7 @@ class _Digest:
 
 
 @contextmanager
-def _without_record_crc() -> Generator[None, None, None]:
+def without_record_crc() -> Generator[None, None, None]:
     """``torch.save``'s record CRC off in this thread, then back as found."""
     before = torch.serialization.get_crc32_options()
     torch.serialization.set_crc32_options(False)
@@ -241,7 +241,7 @@ class CheckpointWriter(SpaceCheckingWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         self.on_step("writing")
-        with _without_record_crc():
+        with without_record_crc():
             results = super().write_data(plan, planner).value()
         with_files: list[Any] = [*results, _RankFiles(tuple(self.fs.records.values()))]
         done: Future[list[WriteResult]] = Future()
