@@ -39,24 +39,33 @@ add the same two terms, so training is HSDP's bit for bit; at more, the order of
 the cross-replica sum may differ, in the last bits.
 
 When the replica shard is gathered again is a function of the collectives every
-rank issues, never of a rank's local state, so no rank can be alone in an
+rank issues, not of a rank's local state, so that no rank is alone in an
 all-gather across replicas (a hang): it is dropped (1) when a reduction of the
 unit's gradient moves on to its reduce-scatter across replicas, as the optimizer
 may step next; (2) when the front end writes the world shard itself
 (``load_state_dict``, ``summon_full_params`` writing back), which every rank
 does; and it is gathered at the next gather after that. A unit's first gather
 gathers it too. Between a synced backward and the next forward nothing holds it,
-so the optimizer step runs beside the world shards only. In-place changes of the
-parameters by other means after a forward and before the next backward (an
-optimizer step between two forwards without backward) are not seen until the
-next backward; the storage warns when the world shard's version counter says
-that happened (the counter cannot decide: a rank whose world shard is all
-padding sees no step).
+so the optimizer step runs beside the world shards only.
+
+A gather between that drop and the optimizer step (``fully_shard``'s ``unshard()``
+by hand after backward, a backward prefetch of a module whose backward already
+ran) gathers the replica shard again, from the values before the step. Where the
+front end's gathers already follow the world shard's version counter
+(``fully_shard``: [Note: stale gathers] in ``_fully_shard/_param_group.py``), so
+does the replica shard (``version``): a counter that moved since it was
+gathered drops it, as the gather it fed is dropped. The wrapper's gathers happen
+only in forward and backward, and there the counter could not decide for all
+ranks alike (with ``use_orig_params`` a rank whose world shard is all padding
+sees no optimizer step): in-place changes by other means after a forward and
+before the next backward are seen from the next backward on, and the storage
+warns when the counter says one happened.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,6 +127,9 @@ class ReplicaShard:
     rows: Tensor  # 2-D [replicate_size, world_numel]; storage allocated only while held
     streams: Streams
     pinned: bool  # the world shard is pinned host memory (CPU offload on CUDA)
+    # The world shard's version counter, when the front end's gathers follow it (see the
+    # note); None: the tensor's own, only warned about.
+    version: Callable[[], int] | None
     _pending: PendingCollective | None  # the all-gather in flight (CPU; CUDA orders by stream)
     _source: tuple[int, int] | None  # (version, data_ptr) of the world shard it came from
     _warned: bool
@@ -131,6 +143,7 @@ class ReplicaShard:
         device: torch.device,
         streams: Streams,
         pinned: bool,
+        version: Callable[[], int] | None = None,
     ) -> None:
         self.groups = groups
         self.world_numel = world_numel
@@ -138,6 +151,7 @@ class ReplicaShard:
         self.rows.untyped_storage().resize_(0)
         self.streams = streams
         self.pinned = pinned
+        self.version = version
         self._pending = None
         self._source = None
         self._warned = False
@@ -155,9 +169,9 @@ class ReplicaShard:
     def start_refresh(self, world_shard: Tensor) -> None:
         """Issue the all-gather across replicas unless the replica shard is held; returns
         at once (on CUDA the unshard stream runs it after the compute stream's work)."""
-        if self._source is not None:
-            self._check_current(world_shard)
+        if self._source is not None and self._current(world_shard):
             return
+        self.drop()
         g = self.groups
         numel = g.replicate_size * self.world_numel
         self.rows.untyped_storage().resize_(numel * self.rows.element_size())
@@ -173,7 +187,7 @@ class ReplicaShard:
             with streams.use(Stream.UNSHARD):
                 slot.copy_(world_shard.detach(), non_blocking=self.pinned)
                 all_gather_into(flat, slot, g.replicate_group).wait()  # the stream waits
-        self._source = _source_of(world_shard)
+        self._source = self._source_of(world_shard)
 
     def ready(self, world_shard: Tensor) -> Tensor:
         """The replica shard's rows, gathered (waits for the all-gather on the CPU)."""
@@ -191,18 +205,24 @@ class ReplicaShard:
         self.rows.untyped_storage().resize_(0)
         self._source = None
 
-    def _check_current(self, world_shard: Tensor) -> None:
-        if self._warned or self._source == _source_of(world_shard):
-            return
-        self._warned = True
-        _log.warning(
-            "the parameters sharded across replicas were changed in place after a forward "
-            "and before a backward (their version counter moved); the forward keeps using the "
-            "values gathered before the change until the next backward. Change them between "
-            "a backward and the next forward (where optimizer.step() runs), or through "
-            "load_state_dict(), which every rank runs and which gathers them again"
-        )
+    def _current(self, world_shard: Tensor) -> bool:
+        """Whether the held replica shard may be used (see the note)."""
+        if self._source == self._source_of(world_shard):
+            return True
+        if self.version is not None:
+            return False
+        if not self._warned:
+            self._warned = True
+            _log.warning(
+                "the parameters sharded across replicas were changed in place after a "
+                "forward and before a backward (their version counter moved); the forward "
+                "keeps using the values gathered before the change until the next backward. "
+                "Change them between a backward and the next forward (where optimizer.step() "
+                "runs), or through load_state_dict(), which every rank runs and which "
+                "gathers them again"
+            )
+        return True
 
-
-def _source_of(world_shard: Tensor) -> tuple[int, int]:
-    return world_shard._version, world_shard.data_ptr()
+    def _source_of(self, world_shard: Tensor) -> tuple[int, int]:
+        version = world_shard._version if self.version is None else self.version()
+        return version, world_shard.data_ptr()

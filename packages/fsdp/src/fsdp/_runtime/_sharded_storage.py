@@ -186,9 +186,11 @@ class ShardedStorage:
         record_streams: bool = True,
         comm_policy: QuantizedCommPolicy | None = None,
         across: ReplicaGroups | None = None,
+        data_version: Callable[[], int] | None = None,
     ) -> None:
         """``group``, ``rank`` and ``world_size`` are those of the layout (with ``across``:
-        the world group's; the collectives then run over ``across``'s two groups)."""
+        the world group's; the collectives then run over ``across``'s two groups);
+        ``data_version``: the shard's version counter to follow (``ReplicaShard.version``)."""
         self.shard = shard
         self.shard_numel = shard.numel()
         self.padded_numel = padded_numel
@@ -232,6 +234,7 @@ class ShardedStorage:
                 device=compute_device,
                 streams=self.streams,
                 pinned=pinned,
+                version=data_version,
             )
         self._pending = None
         self._gathered_event = None
