@@ -125,7 +125,6 @@ class ReplicaShard:
     groups: ReplicaGroups
     world_numel: int  # elements of one world shard
     rows: Tensor  # 2-D [replicate_size, world_numel]; storage allocated only while held
-    streams: Streams
     pinned: bool  # the world shard is pinned host memory (CPU offload on CUDA)
     # The world shard's version counter, when the front end's gathers follow it (see the
     # note); None: the tensor's own, only warned about.
@@ -141,7 +140,6 @@ class ReplicaShard:
         *,
         dtype: torch.dtype,
         device: torch.device,
-        streams: Streams,
         pinned: bool,
         version: Callable[[], int] | None = None,
     ) -> None:
@@ -149,7 +147,6 @@ class ReplicaShard:
         self.world_numel = world_numel
         self.rows = torch.empty(groups.replicate_size, world_numel, dtype=dtype, device=device)
         self.rows.untyped_storage().resize_(0)
-        self.streams = streams
         self.pinned = pinned
         self.version = version
         self._pending = None
@@ -162,11 +159,17 @@ class ReplicaShard:
         return self._source is not None
 
     @property
+    def arriving(self) -> bool:
+        """Whether its all-gather is still on the way (CPU; never on CUDA, where the
+        streams order it)."""
+        return self._pending is not None and not self._pending.is_completed()
+
+    @property
     def nbytes(self) -> int:
         """Bytes held now (0 when dropped)."""
         return int(self.rows.untyped_storage().nbytes())
 
-    def start_refresh(self, world_shard: Tensor) -> None:
+    def start_refresh(self, world_shard: Tensor, streams: Streams) -> None:
         """Issue the all-gather across replicas unless the replica shard is held; returns
         at once (on CUDA the unshard stream runs it after the compute stream's work)."""
         if self._source is not None and self._current(world_shard):
@@ -177,7 +180,6 @@ class ReplicaShard:
         self.rows.untyped_storage().resize_(numel * self.rows.element_size())
         flat = self.rows.view(-1)
         slot = self.rows[g.replicate_rank]
-        streams = self.streams
         if not streams.enabled:
             slot.copy_(world_shard.detach())  # the cast (and host copy) into this rank's row
             self._pending = all_gather_into(flat, slot, g.replicate_group)
@@ -189,9 +191,9 @@ class ReplicaShard:
                 all_gather_into(flat, slot, g.replicate_group).wait()  # the stream waits
         self._source = self._source_of(world_shard)
 
-    def ready(self, world_shard: Tensor) -> Tensor:
+    def ready(self, world_shard: Tensor, streams: Streams) -> Tensor:
         """The replica shard's rows, gathered (waits for the all-gather on the CPU)."""
-        self.start_refresh(world_shard)
+        self.start_refresh(world_shard, streams)
         pending, self._pending = self._pending, None
         if pending is not None:
             pending.wait()

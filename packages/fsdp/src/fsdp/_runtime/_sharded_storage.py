@@ -232,7 +232,6 @@ class ShardedStorage:
                 # The quantized gather encodes the master values, not a low-precision cast.
                 dtype=shard.dtype if self.quantized_weights else compute_dtype,
                 device=compute_device,
-                streams=self.streams,
                 pinned=pinned,
                 version=data_version,
             )
@@ -264,6 +263,12 @@ class ShardedStorage:
         self.start_refresh()
         streams = self.streams
         if not streams.enabled:
+            if self.replica_shard is not None and self.replica_shard.arriving:
+                # Issued ahead of its forward while the replica shard still crosses the
+                # slow link: issue the gather inside the replica when it is waited for,
+                # rather than hold up the computation now.
+                self._pending = PendingCollective(None, finish=lambda: self._gather().wait())
+                return
             self._pending = self._gather()
             return
         streams.wait_stream(Stream.UNSHARD, Stream.COMPUTE)
@@ -275,7 +280,7 @@ class ShardedStorage:
     def _gather(self) -> PendingCollective:
         alloc_storage(self.gathered, self.padded_numel)
         if self.replica_shard is not None:  # one all-gather per replica row
-            inputs = self.replica_shard.ready(self.shard)
+            inputs = self.replica_shard.ready(self.shard, self.streams)
             outputs = self.gathered.view(self.rows, -1)
             return all_of([self._gather_row(o, i) for o, i in zip(outputs, inputs, strict=True)])
         if self.quantized_weights is not None:
@@ -298,7 +303,7 @@ class ShardedStorage:
         held ([Note: sharding across replicas]); a no-op otherwise. The root issues every
         unit's at its pre-forward, so they cross the slow link while forward computes."""
         if self.replica_shard is not None:
-            self.replica_shard.start_refresh(self.shard)
+            self.replica_shard.start_refresh(self.shard, self.streams)
 
     def drop_replica_shard(self) -> None:
         """The front end wrote the shard itself (every rank does): gather it again."""
