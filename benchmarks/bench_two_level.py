@@ -10,9 +10,11 @@ cross the cable. The ranks rendezvous over TCP on the first machine's address an
 bind gloo to ``eth0`` (``GLOO_SOCKET_IFNAME``).
 
 At each size (~30M and ~60M parameters, ``bench_scale``'s GPT) and link rate (1 and
-10 Gbit/s) one launch of 4 ranks (2 machines x 2) holds every variant and steps them
-in turns (so load from elsewhere hits all alike), each block and the root sharded or
-wrapped on its own:
+10 Gbit/s) two launches of 4 ranks (2 machines x 2), one per front end (all variants
+in one launch do not fit in the memory of the 23 GiB machine at 60M), each hold their
+variants and step them in turns (so load from elsewhere hits all alike); torch's FSDP
+over 4 ranks, the reference, steps in both. Each block and the root are sharded or
+wrapped on their own:
 
 * FSDP over all 4 ranks: torch's ``fully_shard`` and ours, 1-D mesh;
 * HSDP, a ``(replicate=2, shard=2)`` mesh whose rows are the machines: torch's
@@ -48,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import multiprocessing
 import os
 import pickle
@@ -92,6 +95,10 @@ OURS_ACROSS = "ours fully_shard, shard_across_replicas"
 OURS1_HSDP = "ours FSDP1 HYBRID_SHARD"
 OURS1_ACROSS = "ours FSDP1 HYBRID_SHARD_ACROSS_REPLICAS"
 VARIANTS = (TORCH_WORLD, OURS_WORLD, TORCH_HSDP, OURS_HSDP, OURS_ACROSS, OURS1_HSDP, OURS1_ACROSS)
+LAUNCHES = (  # the variants stepped together, in turns; each launch's rows in the table
+    (TORCH_WORLD, OURS_WORLD, TORCH_HSDP, OURS_HSDP, OURS_ACROSS),
+    (TORCH_WORLD, OURS1_HSDP, OURS1_ACROSS),
+)
 # The "vs our HSDP" baseline: the same front end's HSDP
 OUR_HSDP = {v: OURS1_HSDP if "FSDP1" in v else OURS_HSDP for v in VARIANTS}
 
@@ -364,8 +371,9 @@ def _replica_bytes(model: Any) -> int:
 
 @dataclass(frozen=True, kw_only=True)
 class Job:
-    """One launch: the model and the schedule (pickled into the ranks)."""
+    """One launch: the variants, the model and the schedule (pickled into the ranks)."""
 
+    variants: tuple[str, ...]
     model: dict[str, int]
     batch: int
     warmup: int
@@ -376,18 +384,24 @@ def _timing_rank(job: Job) -> dict[str, Any]:
     """Every variant on this rank, in turns: per step its time and this machine's bytes."""
     import torch.distributed as dist
 
+    from fsdp._runtime._host_memory import release_freed_host_memory
+
     dist.barrier()
     before = _nic_tx()
     dist.barrier()
     barrier_bytes = _nic_tx() - before  # what the barrier closing each step adds
-    trainers = {v: _Trainer(v, job.model, job.batch) for v in VARIANTS}
+    trainers = {v: _Trainer(v, job.model, job.batch) for v in job.variants}
+    gc.collect()
+    release_freed_host_memory()  # the full models the variants were built from
     memory = {}
     for v, trainer in trainers.items():
         memory[v] = trainer.step(count=True)
         for _ in range(job.warmup - 1):
             trainer.step()
-    record: dict[str, dict[str, list[float]]] = {v: {"times": [], "bytes": []} for v in VARIANTS}
-    names = list(VARIANTS)
+    record: dict[str, dict[str, list[float]]] = {
+        v: {"times": [], "bytes": []} for v in job.variants
+    }
+    names = list(job.variants)
     for i in range(job.steps):
         shift = i % len(names)
         for v in names[shift:] + names[:shift]:
@@ -418,7 +432,7 @@ def summarize(ranks: list[dict[str, Any]]) -> dict[str, Row]:
     """Each variant's :class:`Row` from every rank's :func:`_timing_rank` result."""
     rows = {}
     firsts = range(0, len(ranks), RANKS_PER_MACHINE)  # one rank per machine reads its cable
-    for v in VARIANTS:
+    for v in ranks[0]["variants"]:
         times = [max(ts) for ts in zip(*(r["variants"][v]["times"] for r in ranks), strict=True)]
         sent = [statistics.median(ranks[i]["variants"][v]["bytes"]) for i in firsts]
         kinds = ranks[0]["memory"][v]
@@ -450,8 +464,8 @@ def table_rows(label: str, bits: int, params: int, rows: dict[str, Row]) -> list
     """The table's cells at one size and rate, one list per variant."""
     world = rows[TORCH_WORLD]
     out = []
-    for v in VARIANTS:
-        row, hsdp = rows[v], rows[OUR_HSDP[v]]
+    for v, row in rows.items():
+        hsdp = rows.get(OUR_HSDP[v], row)
         mem = row.memory
         out.append(
             [
@@ -485,17 +499,26 @@ def run(options: Options) -> list[Table]:
             bits = parse_rate(bits_text)
             cluster.set_rate(bits)
             for label, model in plan.sizes.items():
-                job = Job(model=model, batch=plan.batch, warmup=plan.warmup, steps=plan.steps)
-                ranks = run_on_cluster(cluster, job, LAUNCH_TIMEOUT_S)
-                cells = table_rows(label, bits, ranks[0]["params"], summarize(ranks))
-                for row in cells:
-                    table.add(*row)
-                print("\n".join(table.render().splitlines()[-len(cells) :]), flush=True)
+                for variants in LAUNCHES:
+                    job = Job(
+                        variants=variants,
+                        model=model,
+                        batch=plan.batch,
+                        warmup=plan.warmup,
+                        steps=plan.steps,
+                    )
+                    ranks = run_on_cluster(cluster, job, LAUNCH_TIMEOUT_S)
+                    cells = table_rows(label, bits, ranks[0]["params"], summarize(ranks))
+                    for row in cells:
+                        table.add(*row)
+                    print("\n".join(table.render().splitlines()[-len(cells) :]), flush=True)
     table.notes += [
         "across link/step: bytes each machine's cable transmitted in a step (eth0, TCP/IP "
         "headers included), mean of the 2 machines",
         "master: the sharded parameters the optimizer steps; replica copy: held from forward "
         "to backward by sharding across replicas; grads after backward; optim: AdamW state",
-        "one launch per rate and size; the variants step in turns within it",
+        "two launches per rate and size, the fully_shard variants and the FSDP1 ones, each "
+        "with torch's FSDP over 4 (the second torch row is the FSDP1 launch's); the variants "
+        "of a launch step in turns, and ratios are within a launch",
     ]
     return [table]

@@ -43,9 +43,10 @@ def test_shared_flags_reach_both_benchmarks(monkeypatch: pytest.MonkeyPatch) -> 
 
 def _rank(times: list[float], sent: list[int], master: int) -> dict[str, object]:
     memory = {"master": master, "replica": 0, "grads": master, "optim": 2 * master}
+    variants = tl.LAUNCHES[0]
     return {
-        "variants": {v: {"times": times, "bytes": sent} for v in tl.VARIANTS},
-        "memory": {v: memory for v in tl.VARIANTS},
+        "variants": {v: {"times": times, "bytes": sent} for v in variants},
+        "memory": {v: memory for v in variants},
         "params": 7_000_000,
     }
 
@@ -63,6 +64,8 @@ def test_summarize() -> None:
     assert row.link_bytes == 350  # medians 200 and 500, mean of the two machines
     assert row.memory == {"master": 12, "replica": 0, "grads": 12, "optim": 24}  # the largest
     cells = tl.table_rows("30M", 10**9, 7_000_000, rows)
-    assert [c[2] for c in cells] == list(tl.VARIANTS)
+    assert [c[2] for c in cells] == list(tl.LAUNCHES[0])
+    assert sorted({v for launch in tl.LAUNCHES for v in launch}) == sorted(tl.VARIANTS)
+    assert all(tl.TORCH_WORLD in launch for launch in tl.LAUNCHES)  # every launch's reference
     assert cells[0][:2] == ["7.0M (30M)", "1 Gbit/s"]
     assert cells[0][4:6] == ["1.00x", "1.00x"] and cells[0][9] == "-"

@@ -33,6 +33,15 @@ keeps HSDP's traffic and shards what the optimizer steps over every rank:
   gradient, the sum over all ranks. A reduce-scatter and the next step's
   all-gather across replicas move what HSDP's all-reduce moves.
 
+Timing: the root's pre-forward issues every unit's all-gather across replicas, in
+the tree's order, so that they cross the link while the forward computes
+(``RootContext.start_refreshes``); on the CPU a gather issued ahead of its
+module's forward while its replica shard is still arriving is issued when the
+pre-forward waits for it (``ShardedStorage.start_gather``), not at once, which
+would hold up the module computing meanwhile. The reduce-scatter across replicas
+is a reduction's second stage, where HSDP's all-reduce is ([Note: reductions in
+flight] in ``_root_context.py``), overlapping the backward the same way.
+
 The sums are HSDP's, term for term: inside the shard group over its ranks in rank
 order, then across replicas. At two replicas an all-reduce and a reduce-scatter
 add the same two terms, so training is HSDP's bit for bit; at more, the order of
