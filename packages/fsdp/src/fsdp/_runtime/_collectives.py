@@ -100,11 +100,6 @@ class PendingCollective:
         """Whether :meth:`wait` has run."""
         return self._done
 
-    def is_completed(self) -> bool:
-        """Whether the communication has finished, without waiting (``finish`` may still
-        have to run in :meth:`wait`)."""
-        return self._done or self.work is None or bool(self.work.is_completed())
-
 
 @dataclass(frozen=True)
 class _Works:
@@ -115,9 +110,6 @@ class _Works:
     def wait(self) -> None:
         for work in self.works:
             work.wait()
-
-    def is_completed(self) -> bool:
-        return all(work.is_completed() for work in self.works)
 
 
 def all_of(pendings: list[PendingCollective]) -> PendingCollective:

@@ -36,9 +36,13 @@ keeps HSDP's traffic and shards what the optimizer steps over every rank:
 Timing: the root's pre-forward issues every unit's all-gather across replicas, in
 the tree's order, so that they cross the link while the forward computes
 (``RootContext.start_refreshes``); on the CPU a gather issued ahead of its
-module's forward while its replica shard is still arriving is issued when the
-pre-forward waits for it (``ShardedStorage.start_gather``), not at once, which
-would hold up the module computing meanwhile. The reduce-scatter across replicas
+module's forward whose replica shard's all-gather has not been waited for yet is
+issued when the pre-forward waits for it (``ShardedStorage.start_gather``), not at
+once, which could hold up the module computing meanwhile while the bytes cross the
+link. Whether they already have is not asked: it differs between ranks, and the
+collectives of one group must be issued in the same order on every rank. The
+gather inside the replica of a module's first forward after an optimizer step is
+then exposed, not overlapped. The reduce-scatter across replicas
 is a reduction's second stage, where HSDP's all-reduce is ([Note: reductions in
 flight] in ``_root_context.py``), overlapping the backward the same way.
 
@@ -168,10 +172,11 @@ class ReplicaShard:
         return self._source is not None
 
     @property
-    def arriving(self) -> bool:
-        """Whether its all-gather is still on the way (CPU; never on CUDA, where the
-        streams order it)."""
-        return self._pending is not None and not self._pending.is_completed()
+    def refreshing(self) -> bool:
+        """Whether its all-gather was issued and not yet waited for (CPU; never on CUDA,
+        where the streams order it). Every rank answers alike at the same point of a
+        step, whether or not the bytes have arrived yet."""
+        return self._pending is not None
 
     @property
     def nbytes(self) -> int:
