@@ -250,6 +250,7 @@ def fuzz(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Benchmarks against torch's own implementations, printed as ratio tables. Arguments
     after ``--`` go to ``python -m benchmarks``: ``nox -s bench -- scale --quick``, or
-    ``nox -s bench -- slow-link --rates 1gbit`` (as root: it makes a network namespace)."""
+    ``nox -s bench -- slow-link --rates 1gbit`` (as root: it makes a network namespace), or
+    ``nox -s bench -- two-level`` (as root: two simulated machines joined by one link)."""
     _install_stack(session, "numpy")
     session.run("python", "-m", "benchmarks", *session.posargs, env={"OMP_NUM_THREADS": "1"})

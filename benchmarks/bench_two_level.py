@@ -465,7 +465,7 @@ def table_rows(label: str, bits: int, params: int, rows: dict[str, Row]) -> list
     world = rows[TORCH_WORLD]
     out = []
     for v, row in rows.items():
-        hsdp = rows.get(OUR_HSDP[v], row)
+        hsdp = rows.get(OUR_HSDP[v])  # None: not in this launch
         mem = row.memory
         out.append(
             [
@@ -473,10 +473,10 @@ def table_rows(label: str, bits: int, params: int, rows: dict[str, Row]) -> list
                 fmt_rate(bits),
                 v,
                 fmt_ms(row.step_s),
-                ratio(row.step_s, hsdp.step_s),
+                "-" if hsdp is None else ratio(row.step_s, hsdp.step_s),
                 ratio(row.step_s, world.step_s),
                 fmt_bytes(row.link_bytes),
-                ratio(row.link_bytes, hsdp.link_bytes),
+                "-" if hsdp is None else ratio(row.link_bytes, hsdp.link_bytes),
                 fmt_bytes(mem["master"]),
                 fmt_bytes(mem["replica"]) if mem["replica"] else "-",
                 fmt_bytes(mem["grads"]),

@@ -35,14 +35,14 @@ keeps HSDP's traffic and shards what the optimizer steps over every rank:
 
 Timing: the root's pre-forward issues every unit's all-gather across replicas, in
 the tree's order, so that they cross the link while the forward computes
-(``RootContext.start_refreshes``); on the CPU a gather issued ahead of its
-module's forward whose replica shard's all-gather has not been waited for yet is
-issued when the pre-forward waits for it (``ShardedStorage.start_gather``), not at
-once, which could hold up the module computing meanwhile while the bytes cross the
-link. Whether they already have is not asked: it differs between ranks, and the
-collectives of one group must be issued in the same order on every rank. The
-gather inside the replica of a module's first forward after an optimizer step is
-then exposed, not overlapped. The reduce-scatter across replicas
+(``RootContext.start_refreshes``). On the CPU the gather inside the replica
+waits for its replica shard before it is issued, so a gather issued ahead of the
+next module's forward may hold up the module computing: when the link is the
+bottleneck the forward then starts one module's transfer later but ends when the
+last transfer ends, as it must; when it is not, the bytes are there. (Issuing it
+later when the bytes have not arrived would depend on timing that differs between
+ranks, and the collectives of one group must be issued in the same order on every
+rank.) On CUDA the unshard stream orders both. The reduce-scatter across replicas
 is a reduction's second stage, where HSDP's all-reduce is ([Note: reductions in
 flight] in ``_root_context.py``), overlapping the backward the same way.
 
@@ -170,13 +170,6 @@ class ReplicaShard:
     def held(self) -> bool:
         """Whether the replica shard is gathered (or being gathered)."""
         return self._source is not None
-
-    @property
-    def refreshing(self) -> bool:
-        """Whether its all-gather was issued and not yet waited for (CPU; never on CUDA,
-        where the streams order it). Every rank answers alike at the same point of a
-        step, whether or not the bytes have arrived yet."""
-        return self._pending is not None
 
     @property
     def nbytes(self) -> int:

@@ -263,13 +263,6 @@ class ShardedStorage:
         self.start_refresh()
         streams = self.streams
         if not streams.enabled:
-            if self.replica_shard is not None and self.replica_shard.refreshing:
-                # Issued ahead of its forward while the replica shard may still cross the
-                # slow link: issue the gather inside the replica when it is waited for,
-                # rather than hold up the computation now ([Note: sharding across
-                # replicas], timing: a rule every rank applies alike).
-                self._pending = PendingCollective(None, finish=lambda: self._gather().wait())
-                return
             self._pending = self._gather()
             return
         streams.wait_stream(Stream.UNSHARD, Stream.COMPUTE)
