@@ -10,11 +10,12 @@ cross the cable. The ranks rendezvous over TCP on the first machine's address an
 bind gloo to ``eth0`` (``GLOO_SOCKET_IFNAME``).
 
 At each size (~30M and ~60M parameters, ``bench_scale``'s GPT) and link rate (1 and
-10 Gbit/s) two launches of 4 ranks (2 machines x 2), one per front end (all variants
-in one launch do not fit in the memory of the 23 GiB machine at 60M), each hold their
-variants and step them in turns (so load from elsewhere hits all alike); torch's FSDP
-over 4 ranks, the reference, steps in both. Each block and the root are sharded or
-wrapped on their own:
+10 Gbit/s) two launches of 4 ranks (2 machines x 2), ours ``fully_shard`` variants
+in the first, our FSDP1 ones and torch's HSDP in the second (all seven in one launch
+do not fit in the memory of the 23 GiB machine at 60M), each stepping its variants
+in turns (so load from elsewhere hits all alike); torch's FSDP over 4 ranks, the
+reference, steps in both. Each block and the root are sharded or wrapped on their
+own:
 
 * FSDP over all 4 ranks: torch's ``fully_shard`` and ours, 1-D mesh;
 * HSDP, a ``(replicate=2, shard=2)`` mesh whose rows are the machines: torch's
@@ -30,7 +31,7 @@ AdamW, fp32, batch ``--batch`` sequences per rank. Columns:
   ``vs our HSDP`` over our HSDP's with the same front end (``fully_shard``'s, or
   ``HYBRID_SHARD``'s for the FSDP1 rows) and ``vs torch world`` over torch's
   ``fully_shard`` over 4 ranks (issue 40's targets for sharding across replicas at 1
-  Gbit/s: at most 1.1x and 0.6x);
+  Gbit/s: at most 1.1x and 0.6x); torch's HSDP row against our FSDP1 HSDP, its launch's;
 * across link/step: bytes each machine's cable transmitted during the step (read
   from ``eth0`` in ``/proc/net/dev``, headers included, the closing barrier's bytes
   taken off), the mean of the two machines;
@@ -96,11 +97,12 @@ OURS1_HSDP = "ours FSDP1 HYBRID_SHARD"
 OURS1_ACROSS = "ours FSDP1 HYBRID_SHARD_ACROSS_REPLICAS"
 VARIANTS = (TORCH_WORLD, OURS_WORLD, TORCH_HSDP, OURS_HSDP, OURS_ACROSS, OURS1_HSDP, OURS1_ACROSS)
 LAUNCHES = (  # the variants stepped together, in turns; each launch's rows in the table
-    (TORCH_WORLD, OURS_WORLD, TORCH_HSDP, OURS_HSDP, OURS_ACROSS),
-    (TORCH_WORLD, OURS1_HSDP, OURS1_ACROSS),
+    (TORCH_WORLD, OURS_WORLD, OURS_HSDP, OURS_ACROSS),
+    (TORCH_WORLD, TORCH_HSDP, OURS1_HSDP, OURS1_ACROSS),
 )
-# The "vs our HSDP" baseline: the same front end's HSDP
+# The "vs our HSDP" baseline: the same front end's HSDP (torch's rows: the launch's)
 OUR_HSDP = {v: OURS1_HSDP if "FSDP1" in v else OURS_HSDP for v in VARIANTS}
+OUR_HSDP[TORCH_HSDP] = OURS1_HSDP
 
 
 def add_arguments(group: argparse._ArgumentGroup) -> list[argparse.Action]:
@@ -232,8 +234,14 @@ def _agent(spec_path: str, machine: str) -> None:
     ]
     for p in procs:
         p.start()
-    for p in procs:
+    for rank, p in enumerate(procs, start=first):
         p.join()
+        result = Path(spec.folder) / f"rank{rank}.pkl"
+        if p.exitcode != 0 and not result.exists():  # killed before it could say why
+            why = f"rank {rank} exited with {p.exitcode}"
+            if p.exitcode == -signal.SIGKILL:
+                why += " (SIGKILL: the kernel's OOM killer? see dmesg)"
+            result.write_bytes(pickle.dumps(("raised", why)))
 
 
 def _rank_main(spec: Launch, rank: int) -> None:
@@ -517,8 +525,8 @@ def run(options: Options) -> list[Table]:
         "headers included), mean of the 2 machines",
         "master: the sharded parameters the optimizer steps; replica copy: held from forward "
         "to backward by sharding across replicas; grads after backward; optim: AdamW state",
-        "two launches per rate and size, the fully_shard variants and the FSDP1 ones, each "
-        "with torch's FSDP over 4 (the second torch row is the FSDP1 launch's); the variants "
+        "two launches per rate and size (ours fully_shard; our FSDP1 and torch's HSDP), each "
+        "with torch's FSDP over 4 (the second such row is the second launch's); the variants "
         "of a launch step in turns, and ratios are within a launch",
     ]
     return [table]
