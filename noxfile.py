@@ -251,7 +251,8 @@ def bench(session: nox.Session) -> None:
     """Benchmarks against torch's own implementations, printed as ratio tables. Arguments
     after ``--`` go to ``python -m benchmarks``: ``nox -s bench -- scale --quick``, or
     ``nox -s bench -- slow-link --rates 1gbit`` (as root: it makes a network namespace), or
-    ``nox -s bench -- failover`` (as root: simulated machines)."""
+    ``nox -s bench -- failover`` or ``nox -s bench -- two-level`` (as root: simulated
+    machines)."""
     # EXAMPLE_DEPS: the failover benchmark runs examples/train.py.
     _install_stack(session, "numpy", *EXAMPLE_DEPS)
     session.run("python", "-m", "benchmarks", *session.posargs, env={"OMP_NUM_THREADS": "1"})

@@ -9,9 +9,11 @@ with ``OMP_NUM_THREADS=1``, and any arguments after ``--`` are passed here
 
 A module may also define ``add_arguments(group) -> list[argparse.Action]``, its
 own flags (listed under its name by ``--help``; they have no defaults here, and
-the ones given reach it as ``Options.flags``), and ``preflight(options)``, which
-runs for every chosen module before any benchmark starts and raises
-``SystemExit`` with the fix when the module cannot run on this machine.
+the ones given reach it as ``Options.flags``; a flag two modules define, such as
+``--sizes``, is parsed by the first one's definition and reaches both), and
+``preflight(options)``, which runs for every chosen module before any benchmark
+starts and raises ``SystemExit`` with the fix when the module cannot run on this
+machine.
 """
 
 from __future__ import annotations
@@ -37,6 +39,20 @@ def module_name(name: str) -> str:
     return name if name.startswith("bench_") else f"bench_{name}"
 
 
+class _SharedFlags:
+    """A module's argument group in which a flag an earlier module defined is that one."""
+
+    def __init__(self, parser: argparse.ArgumentParser, group: argparse._ArgumentGroup) -> None:
+        self._parser = parser
+        self._group = group
+
+    def add_argument(self, *names: str, **kwargs: object) -> argparse.Action:
+        existing = self._parser._option_string_actions.get(names[0])
+        if existing is not None:
+            return existing
+        return self._group.add_argument(*names, **kwargs)  # type: ignore[arg-type]
+
+
 def main(argv: list[str]) -> int:
     """Parse ``argv``, run the chosen benchmarks, print their tables; the exit status."""
     parser = argparse.ArgumentParser(
@@ -50,13 +66,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--list", action="store_true", help="list the benchmarks and exit")
     names = available()
     modules: dict[str, ModuleType] = {}
-    owner: dict[str, str] = {}  # a module flag's dest -> its module
+    owner: dict[str, list[str]] = {}  # a module flag's dest -> the modules defining it
     for name in names:
         modules[name] = module = importlib.import_module(f"benchmarks.{name}")
         add = getattr(module, "add_arguments", None)
         if add is not None:
             group = parser.add_argument_group(f"{name} flags", argument_default=argparse.SUPPRESS)
-            owner.update((action.dest, name) for action in add(group))
+            for action in add(_SharedFlags(parser, group)):
+                owner.setdefault(action.dest, []).append(name)
     args = parser.parse_args(argv)
     if args.list:
         for name in names:
@@ -70,14 +87,16 @@ def main(argv: list[str]) -> int:
         chosen.append(full)
     given = {dest: value for dest, value in vars(args).items() if dest in owner}
     for dest in given:
-        if owner[dest] not in chosen:
+        if not set(owner[dest]) & set(chosen):
             flag = "--" + dest.replace("_", "-")
-            parser.error(f"{flag} is a flag of {owner[dest]}, which is not among those chosen")
+            parser.error(
+                f"{flag} is a flag of {' and '.join(owner[dest])}, which is not among those chosen"
+            )
     options = {
         name: Options(
             quick=args.quick,
             repeats=args.repeats,
-            flags={d: v for d, v in given.items() if owner[d] == name},
+            flags={d: v for d, v in given.items() if name in owner[d]},
         )
         for name in chosen
     }

@@ -38,16 +38,28 @@ def wrap(kind: str, seed: int = 0, tied: bool = False) -> tuple[nn.Module, torch
     from zero_optim import ZeroRedundancyOptimizer
 
     net = tied_net(seed) if tied else make_net(seed)
-    if kind == "fully_shard":
+    if kind in ("fully_shard", "fully_shard-across"):
         from fsdp import fully_shard
 
+        kwargs = _across_kwargs() if kind.endswith("-across") else {}
         for block in net.blocks:
-            fully_shard(block)
-        fully_shard(net)
+            fully_shard(block, **kwargs)
+        fully_shard(net, **kwargs)
         return net, torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=0.1)
-    if kind in ("fsdp", "fsdp-orig"):
+    if kind in ("fsdp", "fsdp-orig", "fsdp-across"):
+        from fsdp import ShardingStrategy
+
+        extra: dict[str, Any] = {}
+        if kind == "fsdp-across":
+            extra = {
+                "device_mesh": _across_kwargs()["mesh"],
+                "sharding_strategy": ShardingStrategy.HYBRID_SHARD_ACROSS_REPLICAS,
+            }
         model: nn.Module = FSDP(
-            net, auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=kind == "fsdp-orig"
+            net,
+            auto_wrap_policy=ModuleWrapPolicy({Block}),
+            use_orig_params=kind == "fsdp-orig",
+            **extra,
         )
         return model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     model = DDP(net)
@@ -58,6 +70,17 @@ def wrap(kind: str, seed: int = 0, tied: bool = False) -> tuple[nn.Module, torch
         return model, zero
     assert kind == "ddp", kind
     return model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+
+
+def _across_kwargs() -> dict[str, Any]:
+    """Sharded across two replicas (``*-across`` kinds): a (2, world / 2) mesh."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(
+        "cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("replicate", "shard")
+    )
+    return {"mesh": mesh, "shard_across_replicas": True}
 
 
 def batch(step: int) -> tuple[Tensor, Tensor]:
@@ -92,3 +115,15 @@ def full_weights(model: nn.Module) -> dict[str, Tensor]:
 
 def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def resumes_from(folder: Any, kind: str, losses: list[float], weights: dict[str, Any]) -> bool:
+    """Whether a fresh ``kind`` model loading the step-3 checkpoint in ``folder`` with
+    ``ckpt.load`` trains steps 3 and 4 to ``losses`` and ends at ``weights``."""
+    import ckpt
+
+    model, optim = wrap(kind, seed=9)
+    state: dict[str, Any] = {"model": model, "optim": optim, "step": 0}
+    ckpt.load(state, folder)
+    ok = state["step"] == 3 and train(model, optim, 3, 5) == losses
+    return ok and same(full_weights(model), weights)

@@ -24,7 +24,7 @@ from torch import nn
 import ckpt
 from ckpt import FullStateDictConfig, StateDictType
 from fsdp import FSDPModule
-from tests.ckpt._wrappers import WRAPPERS, full_weights, same, train, wrap
+from tests.ckpt._wrappers import WRAPPERS, full_weights, resumes_from, same, train, wrap
 from tests.ranks import run_ranks
 
 SOURCES = ("fsdp", "fsdp-orig", "ddp-zero", "fully_shard")
@@ -93,11 +93,9 @@ def _rank_resume(root: str, expected: dict[str, Any]) -> dict[str, bool]:
         full = torch.load(Path(root) / f"{source}.pt", weights_only=False)
         for kind in WRAPPERS:
             # On disk: ckpt.load reshards the sharded checkpoint.
-            model, optim = wrap(kind, seed=9)
-            state: dict[str, Any] = {"model": model, "optim": optim, "step": 0}
-            ckpt.load(state, Path(root) / source)
-            ok = state["step"] == 3 and train(model, optim, 3, 5) == want_losses
-            results[f"{source}->{kind} disk"] = ok and same(full_weights(model), want_weights)
+            results[f"{source}->{kind} disk"] = resumes_from(
+                Path(root) / source, kind, want_losses, want_weights
+            )
             # In memory: the full FQN-keyed state dicts. A copy for each: torch's optimizers
             # load tensors like the step counts by reference and then count on in them.
             model, optim = wrap(kind, seed=9)

@@ -25,6 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.device_mesh import init_device_mesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.fsdp._common import (
@@ -336,6 +337,12 @@ def _streams_rank(kw_name: str) -> dict[str, Any]:
             "cpu_offload": fsdp.CPUOffload(offload_params=True),
         },
         "no_shard": {"sharding_strategy": fsdp.ShardingStrategy.NO_SHARD},
+        # 2 replicas of one rank: every gather all-gathers the replica shard across
+        # replicas on the unshard stream, every reduction reduce-scatters across them.
+        "across_replicas": {
+            "sharding_strategy": fsdp.ShardingStrategy.HYBRID_SHARD_ACROSS_REPLICAS,
+            "device_mesh": init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard")),
+        },
     }
     kw = kws[kw_name]
     data = batches(3)
@@ -458,7 +465,7 @@ def _check_stream_log(log: list[tuple[int, str, str, Any]], kw_name: str) -> Non
             recorded.clear()
 
 
-@pytest.mark.parametrize("kw_name", ["full_shard", "bf16_offload", "no_shard"])
+@pytest.mark.parametrize("kw_name", ["full_shard", "bf16_offload", "no_shard", "across_replicas"])
 def test_stream_ordering_with_a_recording_fake(kw_name: str) -> None:
     for out in run_ranks(_streams_rank, 2, kw_name, timeout=120):
         # The CUDA path on CPU tensors computes exactly what the CPU path does.

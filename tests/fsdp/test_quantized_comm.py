@@ -41,8 +41,17 @@ def _policy(weights: str | None, gradients: str | None, block: int = 64) -> Any:
     return fsdp.QuantizedCommPolicy(weights=weights, gradients=gradients, block_size=block)
 
 
-def _wrap(front: str, model: nn.Module, policy: Any, *, hybrid: bool = False, **mp: Any) -> Any:
-    """``model`` under ``front`` (``"fsdp1"`` or ``"fsdp2"``): one unit/group per block."""
+def _wrap(
+    front: str,
+    model: nn.Module,
+    policy: Any,
+    *,
+    hybrid: bool = False,
+    across: bool = False,
+    **mp: Any,
+) -> Any:
+    """``model`` under ``front`` (``"fsdp1"`` or ``"fsdp2"``): one unit/group per block;
+    ``hybrid``: HSDP on a (2, world / 2) mesh, sharded ``across`` replicas if asked."""
     import fsdp
     import fsdp.wrap
 
@@ -55,7 +64,9 @@ def _wrap(front: str, model: nn.Module, policy: Any, *, hybrid: bool = False, **
             kwargs["device_mesh"] = init_device_mesh(
                 "cpu", (2, world // 2), mesh_dim_names=("replicate", "shard")
             )
-            kwargs["sharding_strategy"] = fsdp.ShardingStrategy.HYBRID_SHARD
+            kwargs["sharding_strategy"] = fsdp.ShardingStrategy[
+                "HYBRID_SHARD_ACROSS_REPLICAS" if across else "HYBRID_SHARD"
+            ]
         if mp:
             kwargs["mixed_precision"] = fsdp.MixedPrecision(**mp)
         return fsdp.FullyShardedDataParallel(
@@ -73,6 +84,7 @@ def _wrap(front: str, model: nn.Module, policy: Any, *, hybrid: bool = False, **
         shard_kwargs["mesh"] = init_device_mesh(
             "cpu", (2, world // 2), mesh_dim_names=("replicate", "shard")
         )
+        shard_kwargs["shard_across_replicas"] = across
     if mp:
         shard_kwargs["mp_policy"] = fsdp.MixedPrecisionPolicy(**mp)
     for block in model.blocks:  # type: ignore[union-attr]
@@ -145,11 +157,11 @@ def _net() -> Net:
 
 
 def _grad_case(
-    front: str, weights: str | None, gradients: str | None, hybrid: bool
+    front: str, weights: str | None, gradients: str | None, hybrid: bool, across: bool = False
 ) -> dict[str, float]:
     ((x, y),) = batches(1)
     exact, m_g = _reference_grads(x, y)
-    model = _wrap(front, _net(), _policy(weights, gradients), hybrid=hybrid)
+    model = _wrap(front, _net(), _policy(weights, gradients), hybrid=hybrid, across=across)
     loss_fn(model(x), y).backward()
     return {"err": _max_err(_full_grads(front, model), exact), "m_g": m_g}
 
@@ -170,9 +182,11 @@ def _weight_case(front: str) -> dict[str, float]:
     }
 
 
-def _training_case(front: str, policy: Any) -> tuple[list[float], dict[str, Tensor]]:
+def _training_case(
+    front: str, policy: Any, across: bool = False
+) -> tuple[list[float], dict[str, Tensor]]:
     data = batches(4)
-    model = _wrap(front, _net(), policy)
+    model = _wrap(front, _net(), policy, hybrid=across, across=across)
     opt = torch.optim.SGD(model.parameters(), lr=0.2)
     losses = []
     for x, y in data:
@@ -182,6 +196,17 @@ def _training_case(front: str, policy: Any) -> tuple[list[float], dict[str, Tens
         opt.zero_grad()
         losses.append(loss.item())
     return losses, _full_params(front, model)
+
+
+def _train_errors(
+    exact: tuple[list[float], dict[str, Tensor]], quantized: tuple[list[float], dict[str, Tensor]]
+) -> dict[str, Any]:
+    """The largest relative loss difference and absolute parameter difference."""
+    pairs = zip(quantized[0], exact[0], strict=True)
+    return {
+        "loss_rel": max(abs(a - b) / b for a, b in pairs),
+        "param": _max_err(quantized[1], exact[1]),
+    }
 
 
 class _WireCounter:
@@ -245,14 +270,20 @@ def _rank_parity(world: int) -> dict[str, Any]:
         out[f"{front}/both_int8"] = _grad_case(front, "int8", "int8", False)
         if world == 4:
             out[f"{front}/hsdp_grad_int8"] = _grad_case(front, None, "int8", True)
+            # Sharded across replicas: quantized inside a replica, exact across (as HSDP).
+            out[f"{front}/across_grad_int8"] = _grad_case(front, None, "int8", True, True)
+            out[f"{front}/across_both_int8"] = _grad_case(front, "int8", "int8", True, True)
+            exact = _training_case(front, None, across=True)
+            quantized = _training_case(front, _policy("int8", "int8"), across=True)
+            out[f"{front}/across_train"] = _train_errors(exact, quantized)
         out[f"{front}/weights"] = _weight_case(front)
         exact_losses, exact_params = _training_case(front, None)
         none_losses, none_params = _training_case(front, _policy(None, None))
-        q_losses, q_params = _training_case(front, _policy("int8", "int8"))
         out[f"{front}/train"] = {
             "none_same": none_losses == exact_losses and _max_err(none_params, exact_params) == 0,
-            "loss_rel": max(abs(a - b) / b for a, b in zip(q_losses, exact_losses, strict=True)),
-            "param": _max_err(q_params, exact_params),
+            **_train_errors(
+                (exact_losses, exact_params), _training_case(front, _policy("int8", "int8"))
+            ),
         }
         import fsdp
 
@@ -276,8 +307,8 @@ def test_parity_within_the_stated_bounds(world: int) -> None:
             elif key.endswith("/bytes"):
                 assert 0 < r["int8"] <= 0.3 * r["fp32"], (key, r)
                 assert r["int8"] <= 0.55 * r["bf16"], (key, r)
-            elif key.endswith("/train"):
-                assert r["none_same"], key
+            elif key.endswith("_train") or key.endswith("/train"):
+                assert r.get("none_same", True), key
                 assert r["loss_rel"] < 0.01, (key, r)
                 assert 0 < r["param"] < 0.01, (key, r)
             else:

@@ -45,6 +45,7 @@ class Case:
 
     reshard_after_forward: bool | int | None = None
     mesh_2d: bool = False  # HSDP on a (2, world/2) mesh
+    across: bool = False  # ours only: shard_across_replicas=True on that mesh
     mp: tuple[torch.dtype | None, torch.dtype | None] | None = None  # (param, reduce)
     offload: bool = False
     frozen: bool = False  # emb and every LayerNorm frozen
@@ -100,6 +101,8 @@ def build(impl: str, case: Case) -> nn.Module:
         )
     if case.offload:
         kwargs["offload_policy"] = api.CPUOffloadPolicy(pin_memory=False)
+    if case.across and impl == "ours":
+        kwargs["shard_across_replicas"] = True
     if case.shard_dim1:
         kwargs["shard_placement_fn"] = _dim1_placement
     if case.shard_diff_dim:

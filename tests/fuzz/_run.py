@@ -308,6 +308,7 @@ def _fully_shard_model(example: Example) -> tuple[nn.Module, dict[str, nn.Module
             mods if len(mods) > 1 else mods[0],
             mesh=mesh,
             reshard_after_forward=raf,
+            shard_across_replicas=plan.across,
             offload_policy=offload,
             mp_policy=mp,
         )

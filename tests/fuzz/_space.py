@@ -67,6 +67,7 @@ class FullyShardPlan:
     calls: tuple[tuple[str, ...], ...]  # each call's module names (several: one group)
     reshard_after_forward: tuple[bool | int | None, ...]  # one per call
     hsdp: bool = False  # a (2, world/2) mesh
+    across: bool = False  # hsdp with shard_across_replicas=True
     offload: bool = False  # CPUOffloadPolicy on every call
     mp: str | None = None  # MixedPrecisionPolicy on every call: "bf16" or "bf16-fp32" (reduce)
 
@@ -146,7 +147,10 @@ def fully_shard_plans(draw: st.DrawFn, model: ModelSpec, world_size: int) -> Ful
     calls.append(("",))
     rafs = tuple(draw(_reshard_values(world_size, hsdp)) for _ in calls)
     mp = draw(st.sampled_from([None, None, "bf16", "bf16-fp32"]))
-    return FullyShardPlan(tuple(calls), rafs, hsdp, offload=draw(st.booleans()), mp=mp)
+    across = hsdp and draw(st.booleans())
+    return FullyShardPlan(
+        tuple(calls), rafs, hsdp, across=across, offload=draw(st.booleans()), mp=mp
+    )
 
 
 @st.composite
@@ -155,7 +159,7 @@ def fsdp1_plans(draw: st.DrawFn, model: ModelSpec, world_size: int) -> Fsdp1Plan
     wrap = tuple(u for u in units if draw(st.booleans()))
     strategies = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]
     if world_size == 4:
-        strategies += ["HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"]
+        strategies += ["HYBRID_SHARD", "_HYBRID_SHARD_ZERO2", "HYBRID_SHARD_ACROSS_REPLICAS"]
     return Fsdp1Plan(
         wrap=wrap,
         strategy=draw(st.sampled_from(strategies)),

@@ -75,6 +75,16 @@ FOUND: dict[str, Example] = {
             Step(),
         ),
     ),
+    # Sharded across replicas, unshard() by hand after backward: it gathered the replica
+    # shards again (the reduction had dropped them) before the optimizer step, and the next
+    # forward used them, stale. Now they follow the version counter the stale gathers
+    # follow ([Note: sharding across replicas] in fsdp/_runtime/_replica_shard.py).
+    "across_replicas_unshard_after_backward": Example(
+        world_size=4,
+        model=_TINY,
+        plan=FullyShardPlan(calls=(("",),), reshard_after_forward=(True,), hsdp=True, across=True),
+        steps=(Step(), Step(calls=(("after_backward", "", "unshard"),)), Step()),
+    ),
 }
 
 

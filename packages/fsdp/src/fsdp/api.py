@@ -56,6 +56,18 @@ class ShardingStrategy(Enum):
       the shard group, then all-reduced across the replicas, averaged over all
       ranks as in DDP. Parameter traffic stays inside the (fast) shard group;
       only ``1/shard_size`` of the gradient bytes cross groups.
+    - ``HYBRID_SHARD_ACROSS_REPLICAS`` (ours, not torch's): ``HYBRID_SHARD``'s
+      gathers and traffic across groups, with what the optimizer steps sharded
+      over every rank: the flat parameter (the master weights), its gradient and
+      so the optimizer state are ``1/world_size`` of the unit, as with
+      ``FULL_SHARD`` over all ranks. Gradients are reduce-scattered inside the
+      shard group, then reduce-scattered (not all-reduced) across the replicas;
+      after the optimizer step, the next forward all-gathers the updated shards
+      across the replicas into each rank's shard of its replica (kept in the
+      compute dtype until the backward), which the shard group gathers as
+      ``HYBRID_SHARD`` does. The same bytes cross groups as ``HYBRID_SHARD``;
+      state dicts, ``clip_grad_norm_`` and ``summon_full_params`` see a unit
+      sharded over all ranks. See [Note: sharding across replicas].
     """
 
     FULL_SHARD = auto()
@@ -63,6 +75,7 @@ class ShardingStrategy(Enum):
     NO_SHARD = auto()
     HYBRID_SHARD = auto()
     _HYBRID_SHARD_ZERO2 = auto()
+    HYBRID_SHARD_ACROSS_REPLICAS = auto()
 
 
 class BackwardPrefetch(Enum):

@@ -273,7 +273,7 @@ class FullyShardedDataParallel(nn.Module):
             }
             if strategy in HYBRID_STRATEGIES and device_mesh is None:
                 # Every unit shares the root's groups (also those built automatically).
-                root_kwargs["process_group"] = (groups.shard_group, groups.replicate_group)
+                root_kwargs["process_group"] = groups.hybrid_pair
             # A parameter used at several places goes to the innermost unit that contains
             # all its uses, whatever units the policy makes (see [Note: tied parameters]).
             tied = _init.mark_tied_params(module, _is_fsdp, ignored.params)
@@ -634,12 +634,15 @@ class FullyShardedDataParallel(nn.Module):
                     "A communication hook is already registered (on this FSDP tree; register "
                     "one hook, once, on the root)"
                 )
-            if s.unit is not None and s.unit.config.replicate_group is not None:
+            if s.unit is not None and (
+                s.unit.config.replicate_group is not None or s.unit.config.across is not None
+            ):
                 raise _CommHookError(
                     "Communication hook is not supported for hybrid strategies: "
                     f"{self.sharding_strategy} (HYBRID_SHARD and _HYBRID_SHARD_ZERO2, as in "
-                    "torch's FSDP): the hook would replace only the "
-                    "reduce-scatter inside the shard group, not the all-reduce across replicas. "
+                    "torch's FSDP, and HYBRID_SHARD_ACROSS_REPLICAS): the hook would replace "
+                    "only the reduce-scatter inside the shard group, not the reduction across "
+                    "replicas. "
                     "Use FULL_SHARD/SHARD_GRAD_OP with a hook, or hybrid sharding without one"
                 )
         for s in ctx.states:

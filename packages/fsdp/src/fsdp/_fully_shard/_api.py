@@ -26,6 +26,7 @@ from fsdp._fully_shard._mesh import (
     mesh_device,
     mesh_info,
     post_forward_info,
+    where,
 )
 from fsdp._fully_shard._param import ParamSite, ShardedParam
 from fsdp._fully_shard._param_group import OWNER, GroupState, ParamGroup
@@ -59,6 +60,7 @@ def fully_shard(
     *,
     mesh: Any = None,
     reshard_after_forward: bool | int | None = None,
+    shard_across_replicas: bool = False,
     shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
     mp_policy: MixedPrecisionPolicy = ...,
     offload_policy: OffloadPolicy = ...,
@@ -74,6 +76,7 @@ def fully_shard(
     *,
     mesh: Any = None,
     reshard_after_forward: bool | int | None = None,
+    shard_across_replicas: bool = False,
     shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
     mp_policy: MixedPrecisionPolicy = ...,
     offload_policy: OffloadPolicy = ...,
@@ -88,6 +91,7 @@ def fully_shard(
     *,
     mesh: Any = None,
     reshard_after_forward: bool | int | None = None,
+    shard_across_replicas: bool = False,
     shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 (frozen, as torch's)
     offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008
@@ -121,6 +125,14 @@ def fully_shard(
             keeps a shard over ``n`` ranks between forward and backward, so
             backward gathers over fewer ranks; ``None``: ``True``, except
             ``False`` for the root (whose backward comes right after its forward).
+        shard_across_replicas: ours, not torch's. With a 2-D mesh, shard what the
+            optimizer steps over all its ranks as on the mesh flattened (the parameters
+            are ``DTensor`` s with ``(Shard(d),)`` there; master weights, gradients and
+            optimizer state 1/world each), while forward and backward gather inside a
+            replica as HSDP does: gradients are reduce-scattered inside the replica, then
+            across replicas, and the next forward all-gathers the updated shards across
+            replicas into each rank's shard of its replica, HSDP's traffic across them;
+            see [Note: sharding across replicas]. ``False``: HSDP (or plain sharding).
         shard_placement_fn: returns the ``Shard(dim)`` to cut a parameter along
             (``None``: dim 0); a dim other than 0 must divide evenly.
         mp_policy: parameter, reduction and output dtypes
@@ -152,7 +164,13 @@ def fully_shard(
     if mesh is None:
         mesh = default_mesh()
     spmd = None if dp_mesh_dims is None else spmd_mesh(mesh, dp_mesh_dims)
-    info = mesh_info(mesh) if spmd is None else spmd.dp
+    if spmd is not None and shard_across_replicas:
+        raise NotImplementedError(
+            f"{where()}: fully_shard(shard_across_replicas=True) with dp_mesh_dims (a full "
+            "SPMD mesh) is not supported by this implementation; pass the 2-D (replicate, "
+            "shard) data-parallel mesh itself, or shard_across_replicas=False"
+        )
+    info = mesh_info(mesh, shard_across_replicas) if spmd is None else spmd.dp
     device = mesh_device(mesh)
     auto = reshard_after_forward is None
     if spmd is not None and type(reshard_after_forward) is int:
@@ -417,6 +435,14 @@ def _sharded_param(
     [Note: full-SPMD meshes]), over its own mesh if ``shard_placement_fn`` gives one
     ([Note: parameters on their own mesh])."""
     requested, info, spmd = resolver.resolve(site.name, param)
+    own_mesh = info is not resolver.info
+    if resolver.info.across is not None and (isinstance(param, DTensor) or own_mesh):
+        raise NotImplementedError(
+            f"{where()}: fully_shard(shard_across_replicas=True) shards plain parameters on "
+            f"the call's own mesh only, but {site.name!r} is a DTensor (tensor parallelism) "
+            "or shard_placement_fn gave it a mesh of its own; not supported by this "
+            "implementation: use shard_across_replicas=False for such modules"
+        )
     if spmd is not None:
         spmd.check_param(site.name, param)
         assert isinstance(param, DTensor)

@@ -3,9 +3,14 @@
 A 1-D mesh shards over all its ranks (FSDP); a 2-D mesh ``(replicate, shard)``
 shards inside each row and replicates across rows (HSDP), as torch's. The
 parameters become ``DTensor`` s on that mesh with ``(Shard(d),)`` or
-``(Replicate(), Shard(d))``. ``reshard_after_forward=n`` (an int) keeps, between
-forward and backward, a shard over the ``n`` consecutive ranks that contain this
-one: a second mesh whose groups this module makes once.
+``(Replicate(), Shard(d))``. With ``shard_across_replicas=True`` (ours) a 2-D
+mesh shards what the optimizer steps over all its ranks ([Note: sharding across
+replicas] in ``_runtime/_replica_shard.py``): the parameters are ``DTensor`` s
+with ``(Shard(d),)`` on the mesh flattened (as torch names it: ``replicate_shard``),
+and the two dimensions' groups route the runtime's collectives.
+``reshard_after_forward=n`` (an int) keeps, between forward and backward, a
+shard over the ``n`` consecutive ranks that contain this one: a second mesh whose
+groups this module makes once.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Placement, Replicate
+
+from fsdp._runtime._replica_shard import ReplicaGroups
 
 __all__ = [
     "InvalidArgumentError",
@@ -54,6 +61,9 @@ class MeshInfo:
     shard_size: int
     replicate_group: Any  # dist.ProcessGroup across replicas (HSDP), None for 1-D
     replicate_size: int
+    # shard_across_replicas: the 2-D mesh's groups; ``mesh`` and the shard_* fields are then
+    # the flattened mesh's, over every rank
+    across: ReplicaGroups | None = None
 
     def placements(self, shard: Placement) -> tuple[Placement, ...]:
         """A sharded parameter's placements on :attr:`mesh` (``shard``: its dp cut, a
@@ -74,7 +84,7 @@ def default_mesh() -> DeviceMesh:
     return init_device_mesh(device_type, (dist.get_world_size(),))
 
 
-def mesh_info(mesh: Any) -> MeshInfo:
+def mesh_info(mesh: Any, shard_across_replicas: bool = False) -> MeshInfo:
     """Check ``mesh`` and read its groups; errors name the mesh and the fix."""
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(
@@ -93,13 +103,48 @@ def mesh_info(mesh: Any) -> MeshInfo:
     shard_dim = mesh.ndim - 1
     shard_group = mesh.get_group(shard_dim)
     replicate_group = mesh.get_group(0) if mesh.ndim == 2 else None
-    return MeshInfo(
+    info = MeshInfo(
         mesh=mesh,
         shard_group=shard_group,
         shard_rank=mesh.get_local_rank(shard_dim),
         shard_size=mesh.size(shard_dim),
         replicate_group=replicate_group,
         replicate_size=mesh.size(0) if mesh.ndim == 2 else 1,
+    )
+    return _across_replicas(info) if shard_across_replicas else info
+
+
+def _across_replicas(info: MeshInfo) -> MeshInfo:
+    """``shard_across_replicas=True``: the flattened mesh as the shard mesh, the 2-D mesh's
+    groups as routes (see the module docstring); one replica: HSDP's info, nothing to do."""
+    mesh = info.mesh
+    if mesh.ndim != 2:
+        raise InvalidArgumentError(
+            f"{where()}: fully_shard(shard_across_replicas=True) needs a 2-D mesh (replicate, "
+            f"shard), got {mesh}: build it with init_device_mesh(device, (replicas, "
+            "shards_per_replica), mesh_dim_names=('replicate', 'shard')), or drop the option "
+            "(a 1-D mesh already shards everything over all its ranks)"
+        )
+    if info.replicate_size == 1:
+        return info
+    across = ReplicaGroups.of(info.shard_group, info.replicate_group)
+    flat = mesh._flatten("_".join(mesh.mesh_dim_names or ()))  # torch's name for it
+    ranks = mesh.mesh.flatten().tolist()
+    if ranks != sorted(ranks):  # every rank sees the whole mesh: all refuse together
+        raise InvalidArgumentError(
+            f"{where()}: fully_shard(shard_across_replicas=True) lays parameters out over the "
+            "mesh flattened, whose group orders ranks by number, so the mesh must list them "
+            f"in increasing order, replica by replica; got {mesh.mesh.tolist()}. Build it with "
+            "init_device_mesh(device, (replicas, shards_per_replica))"
+        )
+    return MeshInfo(
+        mesh=flat,
+        shard_group=flat.get_group(0),
+        shard_rank=across.world_rank,
+        shard_size=across.world_size,
+        replicate_group=None,
+        replicate_size=1,
+        across=across,
     )
 
 

@@ -304,6 +304,11 @@ class GroupPart:
             replicate_size=info.replicate_size,
             record_streams=False,
             comm_policy=comm_policy,
+            # An extension part's gather is the extension's, over ``info``'s (world) group.
+            across=info.across if self.extension is None else None,
+            # The replica shard follows what the stale gathers follow ([Note: sharding
+            # across replicas] in _runtime/_replica_shard.py).
+            data_version=self.data_version,
         )
 
     def update_reduction(self) -> None:

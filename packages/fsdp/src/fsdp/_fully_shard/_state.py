@@ -371,6 +371,7 @@ class FullyShardState(_State):
         ctx = self._context()
         ctx.exec_order.start_forward()
         ctx.forward_ahead = None
+        ctx.start_refreshes()
         if self.device.type != "cpu":
             args, kwargs = move_tensors_to_device(self.device, args, kwargs)
         return args, kwargs
@@ -596,9 +597,12 @@ class FullyShardState(_State):
             self.group.reshard()
 
     def _resync_after_load(self, *args: Any, **kwargs: Any) -> None:
-        """After ``load_state_dict``: take in parameters ``assign=True`` replaced."""
+        """After ``load_state_dict``: take in parameters ``assign=True`` replaced; gather the
+        replica shards again ([Note: sharding across replicas]: every rank loads)."""
         if self.group is not None:
             self.group.sync()
+            for storage in self.group.storages:
+                storage.drop_replica_shard()
 
     # --- recovery ---------------------------------------------------------------------------
 

@@ -4,6 +4,8 @@
 - ``_sharded_storage.py``: one rank's shard, its all-gather (cast, host copy) and the
   reduction of its gradient ([Note: sharded storage]);
 - ``_collectives.py``: the collectives, stateless (gloo's composed sharded ones too);
+- ``_replica_shard.py``: sharding across replicas, the shard of a replica gathered
+  across replicas from the world shards ([Note: sharding across replicas]);
 - ``_streams.py``: which CUDA stream runs what, and the events between them;
 - ``_root_context.py``: what every unit under one root shares at run time (the
   order for issuing gathers ahead, the rate limiter, reductions in flight);

@@ -55,6 +55,7 @@ from fsdp._runtime._collective_failure import backend_failures
 __all__ = [
     "PendingCollective",
     "all_gather_into",
+    "all_of",
     "all_reduce_inplace",
     "gradient_divide_factors",
     "reduce_scatter_into",
@@ -102,13 +103,20 @@ class PendingCollective:
 
 @dataclass(frozen=True)
 class _Works:
-    """Several issued collectives that complete together (one composite collective)."""
+    """Several issued collectives (or pending ones) that complete together, in order."""
 
     works: tuple[Any, ...]
 
     def wait(self) -> None:
         for work in self.works:
             work.wait()
+
+
+def all_of(pendings: list[PendingCollective]) -> PendingCollective:
+    """One pending collective that completes when every one of ``pendings`` has (in order)."""
+    if len(pendings) == 1:
+        return pendings[0]
+    return PendingCollective(_Works(tuple(pendings)))  # each names its own failure
 
 
 def _gloo_composite(group: Any, tensor: Tensor) -> bool:

@@ -155,6 +155,13 @@ class RootContext(Generic[S]):
 
     # --- issue-ahead and the end of backward --------------------------------------------
 
+    def start_refreshes(self) -> None:
+        """Root pre-forward: issue the all-gather across replicas of every unit sharded
+        across replicas that needs one, in the tree's order, so that they cross the slow
+        link while the forward computes ([Note: sharding across replicas])."""
+        for storage in self.storages():
+            storage.start_refresh()
+
     def issue_ahead(self, target: S, unshard: Callable[[], None]) -> None:
         """Start ``target``'s gather before its forward ([Note: issue-ahead]): ``unshard``
         issues it. One unit ahead at most; the limiter bounds the gathers in flight."""

@@ -35,6 +35,12 @@ Everything between the shard and the collectives is then one runtime,
   moves int8 (or bf16) chunks by an all-to-all and sums them in fp32
   (``_quantized_collectives.py``); everything around the collectives (the
   shard, ``gathered``, divisions, the all-reduce across replicas) is as above.
+- *sharded across replicas* (``across``, [Note: sharding across replicas] in
+  ``_replica_shard.py``): the shard is this rank's world shard; the gather
+  reads the replica shard (gathered across replicas first) and runs one
+  all-gather per replica row inside the shard group, the reduction one
+  reduce-scatter per row and then a reduce-scatter across replicas in place of
+  the all-reduce.
 
 What lies between is the front end's: how the modules see gathered data
 (views of ``gathered`` for the wrapper, a copy-out into per-parameter tensors
@@ -57,6 +63,7 @@ from torch import Tensor
 from fsdp._runtime._collectives import (
     PendingCollective,
     all_gather_into,
+    all_of,
     all_reduce_inplace,
     reduce_scatter_into,
 )
@@ -65,6 +72,7 @@ from fsdp._runtime._quantized_collectives import (
     quantized_all_gather_into,
     quantized_reduce_scatter_into,
 )
+from fsdp._runtime._replica_shard import ReplicaGroups, ReplicaShard
 from fsdp._runtime._streams import Stream, Streams, streams_for
 
 __all__ = ["PendingReduce", "ReductionOwner", "ShardedStorage", "alloc_storage", "free_storage"]
@@ -122,11 +130,16 @@ class ShardedStorage:
     shard: Tensor  # 1D [shard_numel], the parameters' dtype, on the compute device or the host
     gathered: Tensor  # 1D [padded_numel] compute dtype; storage allocated only while gathered
     shard_numel: int
-    padded_numel: int
+    padded_numel: int  # rows * world_size * shard_numel
     sharded: bool  # reduce by reduce-scatter (else: all-reduce of the whole buffer, NO_SHARD)
     group: Any  # the process group the shard is gathered over / the gradient reduced over
     rank: int  # this rank's index in ``group`` (its slot in ``gathered``)
     world_size: int  # ranks in ``group``
+    # Sharded across replicas: ``group`` is the shard group, ``gathered`` has one row per
+    # replica, each gathered (and its gradient reduced) by its own collective, and the
+    # replica shard feeds them ([Note: sharding across replicas]). Else 1 and None.
+    rows: int
+    replica_shard: ReplicaShard | None
     compute_device: torch.device
     compute_dtype: torch.dtype
     offload: bool  # ``shard`` lives on the host (CPU offload)
@@ -172,7 +185,12 @@ class ShardedStorage:
         keep_low_precision_grads: bool = False,
         record_streams: bool = True,
         comm_policy: QuantizedCommPolicy | None = None,
+        across: ReplicaGroups | None = None,
+        data_version: Callable[[], int] | None = None,
     ) -> None:
+        """``group``, ``rank`` and ``world_size`` are those of the layout (with ``across``:
+        the world group's; the collectives then run over ``across``'s two groups);
+        ``data_version``: the shard's version counter to follow (``ReplicaShard.version``)."""
         self.shard = shard
         self.shard_numel = shard.numel()
         self.padded_numel = padded_numel
@@ -180,25 +198,43 @@ class ShardedStorage:
         self.group = group
         self.rank = rank
         self.world_size = world_size
+        self.rows = 1
         self.compute_device = compute_device
         self.compute_dtype = compute_dtype
         self.offload = offload
         self.pinned = pinned
         self.replicate_group = replicate_group
         self.replicate_size = replicate_size
+        if across is not None and sharded:
+            self.group, self.rank, self.world_size = (
+                across.shard_group, across.shard_rank, across.shard_size
+            )  # fmt: skip
+            self.rows = across.replicate_size
+            self.replicate_group, self.replicate_size = across.replicate_group, self.rows
         self.divide = divide
         self.keep_low_precision_grads = keep_low_precision_grads
         self.record_streams = record_streams
         self.post_reduce_hook = None
         self.hook_sees_average = False
         self.streams = streams_for(compute_device)
-        moves = sharded and world_size > 1 and shard.numel() > 0
+        moves = sharded and self.world_size > 1 and shard.numel() > 0
         moves = moves and shard.dtype.is_floating_point and comm_policy is not None
         self.quantized_weights = comm_policy.weights if moves and comm_policy else None
         self.quantized_gradients = comm_policy.gradients if moves and comm_policy else None
         self.block_size = comm_policy.block_size if comm_policy is not None else 0
         self.gathered = torch.empty(padded_numel, dtype=compute_dtype, device=compute_device)
         free_storage(self.gathered)
+        self.replica_shard = None
+        if across is not None and sharded:
+            self.replica_shard = ReplicaShard(
+                across,
+                self.shard_numel,
+                # The quantized gather encodes the master values, not a low-precision cast.
+                dtype=shard.dtype if self.quantized_weights else compute_dtype,
+                device=compute_device,
+                pinned=pinned,
+                version=data_version,
+            )
         self._pending = None
         self._gathered_event = None
         self._padded_grad = None
@@ -224,6 +260,7 @@ class ShardedStorage:
         """
         if self._pending is not None:
             raise AssertionError("start_gather with a gather in flight; wait for it first")
+        self.start_refresh()
         streams = self.streams
         if not streams.enabled:
             self._pending = self._gather()
@@ -236,14 +273,36 @@ class ShardedStorage:
 
     def _gather(self) -> PendingCollective:
         alloc_storage(self.gathered, self.padded_numel)
+        if self.replica_shard is not None:  # one all-gather per replica row
+            inputs = self.replica_shard.ready(self.shard, self.streams)
+            outputs = self.gathered.view(self.rows, -1)
+            return all_of([self._gather_row(o, i) for o, i in zip(outputs, inputs, strict=True)])
         if self.quantized_weights is not None:
             # Encoded from the master shard itself (not a low-precision cast of it).
             shard = self.shard.detach().to(self.compute_device, non_blocking=self.pinned)
+            return self._gather_row(self.gathered, shard)
+        return all_gather_into(self.gathered, self._gather_input(), self.group)
+
+    def _gather_row(self, output: Tensor, shard: Tensor) -> PendingCollective:
+        """All-gather ``shard`` (on the compute device) over ``group`` into ``output``."""
+        if self.quantized_weights is not None:
             return quantized_all_gather_into(
-                self.gathered, shard, self.group, rank=self.rank, world_size=self.world_size,
+                output, shard, self.group, rank=self.rank, world_size=self.world_size,
                 block_size=self.block_size,
             )  # fmt: skip
-        return all_gather_into(self.gathered, self._gather_input(), self.group)
+        return all_gather_into(output, shard, self.group)
+
+    def start_refresh(self) -> None:
+        """Sharded across replicas: issue the all-gather of the replica shard unless it is
+        held ([Note: sharding across replicas]); a no-op otherwise. The root issues every
+        unit's at its pre-forward, so they cross the slow link while forward computes."""
+        if self.replica_shard is not None:
+            self.replica_shard.start_refresh(self.shard, self.streams)
+
+    def drop_replica_shard(self) -> None:
+        """The front end wrote the shard itself (every rank does): gather it again."""
+        if self.replica_shard is not None:
+            self.replica_shard.drop()
 
     def _gather_input(self) -> Tensor:
         """This rank's shard on the compute device in the compute dtype.
@@ -378,18 +437,27 @@ class ShardedStorage:
                 owner, pending, padded, post, replicate_group, reused, keep_alive=keep_alive,
                 partial=partial, final=replicate,
             )  # fmt: skip
-        output = torch.empty(self.shard_numel, dtype=padded.dtype, device=padded.device)
-        if self.quantized_gradients is not None:
-            pending = quantized_reduce_scatter_into(
-                output, padded, self.group, rank=self.rank, world_size=self.world_size,
-                mode=self.quantized_gradients, block_size=self.block_size,
-            )  # fmt: skip
+        # One chunk per replica row: this rank's shard over the shard group, or (sharded
+        # across replicas) its replica shard, reduce-scattered across replicas next.
+        output = torch.empty(self.rows * self.shard_numel, dtype=padded.dtype, device=padded.device)
+        if self.rows == 1:
+            pending = self._reduce_row(output, padded)
         else:
-            pending = reduce_scatter_into(output, padded, self.group)
+            rows = zip(output.view(self.rows, -1), padded.view(self.rows, -1), strict=True)
+            pending = all_of([self._reduce_row(o, p) for o, p in rows])
         return PendingReduce(
             owner, pending, output, post, replicate_group, reused, keep_alive=keep_alive,
             partial=partial, final=replicate,
         )  # fmt: skip
+
+    def _reduce_row(self, output: Tensor, padded: Tensor) -> PendingCollective:
+        """Reduce-scatter ``padded`` over ``group`` into ``output``."""
+        if self.quantized_gradients is not None:
+            return quantized_reduce_scatter_into(
+                output, padded, self.group, rank=self.rank, world_size=self.world_size,
+                mode=self.quantized_gradients, block_size=self.block_size,
+            )  # fmt: skip
+        return reduce_scatter_into(output, padded, self.group)
 
     def hook_reduce(self, owner: ReductionOwner, output: Tensor) -> PendingReduce:
         """A reduction a communication hook already did: ``output`` is final but for the
@@ -397,7 +465,8 @@ class ShardedStorage:
         return PendingReduce(owner, PendingCollective(None), output, 1.0)
 
     def start_replica_reduce(self, reduce: PendingReduce) -> None:
-        """Hybrid sharding: wait for the reduce-scatter, issue the all-reduce across replicas.
+        """Hybrid sharding: wait for the reduce-scatter, issue the all-reduce across replicas
+        (sharded across replicas: the reduce-scatter across replicas).
 
         Split from :meth:`reduce` so that the reduce-scatter overlaps
         computation before anyone waits for it (see [Note: reductions in
@@ -411,9 +480,15 @@ class ShardedStorage:
         if reduce.partial is not None:
             reduce.output.add_(reduce.partial)
             reduce.partial = None
-        reduce.collective = all_reduce_inplace(
-            reduce.output, reduce.replicate_group, self.replicate_size
-        )
+        if self.replica_shard is None:
+            reduce.collective = all_reduce_inplace(
+                reduce.output, reduce.replicate_group, self.replicate_size
+            )
+        else:  # [Note: sharding across replicas]: into the world shard's gradient
+            world = reduce.output.new_empty(self.shard_numel)
+            reduce.collective = reduce_scatter_into(world, reduce.output, reduce.replicate_group)
+            reduce.output = world
+            self.replica_shard.drop()  # the optimizer may step next
         reduce.replicate_group = None
 
     def finish(self, reduce: PendingReduce) -> tuple[Tensor, Any]:

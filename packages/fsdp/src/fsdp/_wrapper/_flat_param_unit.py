@@ -107,6 +107,7 @@ from flatparam import (
 from fsdp._runtime._collectives import all_gather_into, gradient_divide_factors
 from fsdp._runtime._device import pins_host_memory
 from fsdp._runtime._quantize import QuantizedCommPolicy
+from fsdp._runtime._replica_shard import ReplicaGroups
 from fsdp._runtime._sharded_storage import (
     PendingReduce,
     ShardedStorage,
@@ -152,6 +153,9 @@ class UnitConfig:
     replicate_size: int = 1
     use_orig_params: bool = False  # keep the original parameters as views (OrigParams)
     comm_policy: QuantizedCommPolicy | None = None  # quantized gathers and reductions
+    # HYBRID_SHARD_ACROSS_REPLICAS: ``group`` is the world group and these route the
+    # collectives ([Note: sharding across replicas] in _runtime/_replica_shard.py).
+    across: ReplicaGroups | None = None
 
 
 class FlatParamUnit:
@@ -236,6 +240,7 @@ class FlatParamUnit:
             divide=gradient_divide_factors(config.world_size * config.replicate_size),
             keep_low_precision_grads=config.keep_low_precision_grads,
             comm_policy=config.comm_policy,
+            across=config.across,
         )
         self.flat_param = flat
         self._placeholders = [
@@ -582,6 +587,7 @@ class FlatParamUnit:
 
     def write_back(self, full: Tensor) -> None:
         """Copy this rank's chunk of ``full`` (1D, ``full_numel``) into ``flat_param``."""
+        self.storage.drop_replica_shard()  # every rank writes back: gather it again
         if not self.config.shard:
             if full.data_ptr() != self.flat_param.data_ptr():
                 self.flat_param.data.copy_(full)

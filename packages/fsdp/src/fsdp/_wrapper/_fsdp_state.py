@@ -193,7 +193,7 @@ class FSDPState:
         check_ranks_agree(states)  # [Note: agreement step] in flatparam
         self.is_root = True
         limiter = RateLimiter(self.compute_device, self.limit_all_gathers)
-        storages = [s.unit.storage for s in states if s.unit is not None]
+        storages = [part.storage for s in states if s.unit is not None for part in s.unit.parts()]
         ctx = RootContext(states, limiter, lambda: storages)
         for s in states:
             s.ctx = ctx
@@ -228,6 +228,7 @@ class FSDPState:
             return args, kwargs
         ctx = self._context()
         ctx.finish_reductions()  # a backward without its callback (never expected; cheap)
+        ctx.start_refreshes()
         if self.compute_device.type != "cpu":
             args, kwargs = move_tensors_to_device(self.compute_device, args, kwargs)
         mp = self.mixed_precision

@@ -469,6 +469,7 @@ def build_unit(
         replicate_size=replicate_size,
         use_orig_params=use_orig_params,
         comm_policy=comm_policy,
+        across=groups.across if shard else None,
     )
     unit = _build_parts(infos, params, shared, config)
     owner = weakref.ref(visited[0])
@@ -508,7 +509,11 @@ def _build_parts(
     return unit
 
 
-_RESHARD_AFTER_FORWARD = (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
+_RESHARD_AFTER_FORWARD = (
+    ShardingStrategy.FULL_SHARD,
+    ShardingStrategy.HYBRID_SHARD,
+    ShardingStrategy.HYBRID_SHARD_ACROSS_REPLICAS,
+)
 
 
 # --- "optimizer created before wrapping" ------------------------------------------------------

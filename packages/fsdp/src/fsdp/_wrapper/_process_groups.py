@@ -19,6 +19,17 @@ shards, so anything that needs every rank's piece of a gradient or a
 parameter (gradient norms, ``summon_full_params``) only talks to the shard
 group.
 
+``HYBRID_SHARD_ACROSS_REPLICAS`` takes the same two groups and shards each unit
+over every rank of them, in the order of the world group (see [Note: sharding
+across replicas] in ``_runtime/_replica_shard.py``): to the wrapper its groups
+are one shard group over the world (``ProcessGroups.shard_group``, what state
+dicts, ``clip_grad_norm_`` and ``summon_full_params`` talk to) and the pair, kept
+in ``ProcessGroups.across``, routes the runtime's gathers and reductions. The
+world group is the default group (the pair must cover every rank, and rank
+``(m, s)`` must be world rank ``m * shard_size + s``: torchrun's ranks with one
+replica per node, ``init_device_mesh((replicas, shards))``), or for a mesh over
+fewer ranks the mesh's own ranks flattened.
+
 The groups come from, in this order of precedence: a ``(shard, replicate)``
 pair of process groups; a 2-D ``DeviceMesh`` with dimensions
 ``(replicate, shard)`` (torch's convention: the outer dimension replicates);
@@ -37,11 +48,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from fsdp._runtime._replica_shard import ReplicaGroups
 from fsdp.api import ShardingStrategy
 
 __all__ = ["HYBRID_STRATEGIES", "ProcessGroups", "resolve_process_groups"]
 
-HYBRID_STRATEGIES = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+HYBRID_STRATEGIES = (
+    ShardingStrategy.HYBRID_SHARD,
+    ShardingStrategy._HYBRID_SHARD_ZERO2,
+    ShardingStrategy.HYBRID_SHARD_ACROSS_REPLICAS,
+)
 
 # Meshes built for hybrid sharding without explicit groups, one per (default group, node size),
 # so that every FSDP instance (and every rank) uses the same groups. See _auto_hybrid_mesh.
@@ -60,11 +76,20 @@ class ProcessGroups:
     replicate_group: Any  # dist.ProcessGroup for the cross-replica all-reduce; None if not hybrid
     replicate_size: int  # 1 if not hybrid
     device_mesh: DeviceMesh | None  # the mesh the groups came from, if any
+    # HYBRID_SHARD_ACROSS_REPLICAS: the (shard, replicate) pair; shard_group is the world's
+    across: ReplicaGroups | None = None
 
     @property
     def data_parallel_size(self) -> int:
         """Ranks that see different data: the divisor of the gradient average."""
         return self.shard_size * self.replicate_size
+
+    @property
+    def hybrid_pair(self) -> tuple[Any, Any]:
+        """The ``(shard_group, replicate_group)`` a hybrid strategy was given (or built)."""
+        if self.across is not None:
+            return self.across.shard_group, self.across.replicate_group
+        return self.shard_group, self.replicate_group
 
 
 def _require_initialized() -> None:
@@ -259,17 +284,17 @@ def resolve_process_groups(
             "(the mesh already names the groups)"
         )
     if device_mesh is not None:
-        return _from_mesh(device_mesh, hybrid, strategy)
+        return _across_replicas(_from_mesh(device_mesh, hybrid, strategy), strategy)
     if hybrid:
         if process_group is None:
-            return _from_mesh(_auto_hybrid_mesh(), True, strategy)
+            return _across_replicas(_from_mesh(_auto_hybrid_mesh(), True, strategy), strategy)
         if not isinstance(process_group, tuple):
             raise ValueError(
                 f"sharding_strategy={strategy.name} needs two groups, but process_group is a "
                 f"single {type(process_group).__name__}; pass process_group=(shard_group, "
                 "replicate_group), a 2-D device_mesh=, or None to shard inside each node"
             )
-        return _from_pair(process_group, strategy)
+        return _across_replicas(_from_pair(process_group, strategy), strategy)
     if isinstance(process_group, tuple):
         raise ValueError(
             "a (shard, replicate) process_group pair is only for hybrid sharding, but "
@@ -285,3 +310,52 @@ def resolve_process_groups(
         replicate_size=1,
         device_mesh=None,
     )
+
+
+def _across_replicas(groups: ProcessGroups, strategy: ShardingStrategy) -> ProcessGroups:
+    """``HYBRID_SHARD_ACROSS_REPLICAS``: the pair as routes, the world group as the shard
+    group (see the module docstring); other strategies' groups as they are.
+
+    With one replica there is nothing across: plain sharding over the shard group.
+    """
+    if strategy is not ShardingStrategy.HYBRID_SHARD_ACROSS_REPLICAS or groups.replicate_size == 1:
+        return groups
+    across = ReplicaGroups.of(groups.shard_group, groups.replicate_group)
+    world, world_rank = _world_group(groups.device_mesh)
+    mesh = groups.device_mesh
+    # With a mesh every rank sees every rank's place, so all of them refuse together.
+    in_order = (
+        world_rank == across.world_rank
+        if mesh is None
+        else mesh.mesh.flatten().tolist() == sorted(mesh.mesh.flatten().tolist())
+    )
+    if not in_order:
+        raise ValueError(
+            f"rank {dist.get_rank()}: sharding_strategy=HYBRID_SHARD_ACROSS_REPLICAS lays out "
+            "every unit over all ranks in the order of the world group, which must be replica "
+            f"by replica: this rank is replica {across.replicate_rank} of "
+            f"{across.replicate_size}, shard rank {across.shard_rank} of {across.shard_size}, "
+            f"so it must be rank {across.world_rank} of the world group, but it is rank "
+            f"{world_rank} (mesh {None if mesh is None else mesh.mesh.tolist()}). Build the "
+            "groups from init_device_mesh(device, (replicas, "
+            "shards)) (each replica a block of consecutive ranks, as torchrun numbers a node's "
+            "ranks), or use HYBRID_SHARD"
+        )
+    return ProcessGroups(
+        shard_group=world,
+        shard_rank=world_rank,
+        shard_size=across.world_size,
+        replicate_group=None,
+        replicate_size=1,
+        device_mesh=groups.device_mesh,
+        across=across,
+    )
+
+
+def _world_group(mesh: DeviceMesh | None) -> tuple[Any, int]:
+    """The group over every rank of a hybrid layout, and this rank's index in it: the
+    default group, or for a mesh over fewer ranks its ranks flattened in mesh order."""
+    if mesh is None or mesh.size() == dist.get_world_size():
+        return dist.group.WORLD, dist.get_rank()
+    flat = mesh._flatten("_".join(mesh.mesh_dim_names or ("replicate", "shard")))
+    return flat.get_group(0), flat.get_local_rank(0)

@@ -209,7 +209,11 @@ def _pre_load_state_dict(  # noqa: PLR0917 (nn.Module's hook signature)
 
 def _post_load_state_dict(module: nn.Module, incompatible_keys: Any) -> None:
     _hide_flat_param(module)
-    _exit(_state(module))
+    state = _state(module)
+    _exit(state)
+    if state.unit is not None:  # every rank loads: [Note: sharding across replicas]
+        for part in state.unit.parts():
+            part.storage.drop_replica_shard()
     for keys in (incompatible_keys.missing_keys, incompatible_keys.unexpected_keys):
         keys[:] = [clean_fqn(k) for k in keys]
 
