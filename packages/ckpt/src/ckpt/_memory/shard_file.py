@@ -47,7 +47,7 @@ from ckpt._errors import CheckpointError
 from ckpt._format.flat_pieces import FlatPieces
 from ckpt._format.safe_unpickling import unpickle_metadata
 from ckpt._format.save_planner import CheckpointSavePlanner
-from ckpt._format.writer import without_record_crc
+from ckpt._format.tensor_blob import raw_bytes, template_for, without_record_crc
 
 __all__ = [
     "ShardHeader",
@@ -103,7 +103,7 @@ class ShardWriter:
                     entries[item.index.fqn] = BytesStorageMetadata()
                 else:
                     assert isinstance(data, torch.Tensor) and item.tensor_data is not None
-                    torch.save(data if data.device.type == "cpu" else data.cpu(), stream)
+                    _write_tensor(data, stream)
                     td = item.tensor_data
                     assert td.chunk is not None
                     entry = entries.setdefault(
@@ -117,6 +117,19 @@ class ShardWriter:
             storage_data=storage,
             storage_meta=StorageMeta(),
         )
+
+
+def _write_tensor(data: torch.Tensor, stream: IO[bytes]) -> None:
+    """``torch.save(data, stream)``'s bytes, from a template where there is one ([Note:
+    blob templates] in ``_format/tensor_blob.py``: the same bytes, a third of the time)."""
+    chunk = data if data.device.type == "cpu" else data.cpu()
+    template = template_for(chunk) if chunk.is_contiguous() else None
+    if template is None:
+        torch.save(chunk, stream)
+        return
+    stream.write(template.head)
+    stream.write(raw_bytes(chunk))
+    stream.write(template.tail)
 
 
 def _structure(flat: Mapping[str, Any]) -> tuple[Any, ...]:
