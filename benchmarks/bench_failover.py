@@ -25,13 +25,15 @@ until it says it resumed there, or (resumed from an earlier step) until rank 0 p
 the step reached again. ``FAILOVER_LOG=1`` prints rank 0's agent's output, timed from
 the kill.
 
-Then the cost of snapshots on the step (``--overhead``): two machines of one rank each,
-GPT at 30M parameters (``bench_scale``'s) under our ``fully_shard``, AdamW; in one pair
-of processes, blocks of 10 steps of each variant in turns: nothing, a snapshot every
-step, every 10 steps, and a disk checkpoint (``ckpt.CheckpointManager.save``) every step
-and every 10 steps. A block lasts as long as its slowest rank and ends once the last
-snapshot's replica is in; per step, median over the rounds. Also: what a rank's
-``save`` blocks training for, and a snapshot's bytes per rank.
+Then the cost of snapshots on the step (``--overhead``): GPT at 30M parameters
+(``bench_scale``'s) under our ``fully_shard``, AdamW, 2 ranks: on two machines of one
+rank each (each snapshot replicated across the link), and on one machine of two (no
+replica: the cost of the copy alone); in one set of processes, blocks of 10 steps of
+each variant in turns: nothing, a snapshot every step, every 10 steps, and a disk
+checkpoint (``ckpt.CheckpointManager.save``) every step and every 10 steps. A block
+lasts as long as its slowest rank and ends once the last snapshot's replica is in; per
+step, median over the rounds. Also: what a rank's ``save`` blocks training for, and a
+snapshot's bytes per rank.
 
 Needs root (namespaces, tc); removes everything it makes.
 """
@@ -324,28 +326,35 @@ def _overhead_rank(spec: dict[str, Any]) -> dict[str, Any]:
         order = OVERHEAD_VARIANTS[r % 5 :] + OVERHEAD_VARIANTS[: r % 5]
         for variant in order:
             times[variant].append(block(variant))
-    size = sum(c.header.data_bytes for c in memory.folder.copies() if not c.replica) / 2
+    mine = [c for c in memory.folder.copies() if c.header.rank == rank and not c.replica]
+    size = max(c.header.data_bytes for c in mine)
     memory.close()
     dist.destroy_process_group()
     return {"times": times, "blocked": blocked, "snapshot_bytes": size}
 
 
-def run_overhead(label: str, bits: int, rounds: int, workdir: Path) -> list[dict[str, Any]]:
+def run_overhead(
+    label: str, bits: int, rounds: int, workdir: Path, layout: tuple[int, int]
+) -> list[dict[str, Any]]:
+    """The overhead ranks on ``layout`` = (machines, ranks per machine); their results."""
+    count, per_machine = layout
+    world = count * per_machine
     spec = {
         "model": SCALE_SIZES.get(label, _QUICK_MODEL),
         "batch": 4,
         "rounds": rounds,
-        "disk": str(workdir / "overhead-disk"),
+        "disk": str(workdir / f"overhead-disk-{count}x{per_machine}"),
     }
-    spec_path = workdir / "overhead.spec"
+    spec_path = workdir / f"overhead-{count}x{per_machine}.spec"
     spec_path.write_bytes(pickle.dumps(spec))
     code = "from benchmarks.bench_failover import _overhead_main; _overhead_main()"
-    with machines.cluster(2, rate=bits, shm_bytes=4 << 30) as cluster:
+    with machines.cluster(count, rate=bits, shm_bytes=4 << 30) as cluster:
         procs = []
-        for rank, machine in enumerate(cluster.machines):
+        for rank in range(world):
+            machine = cluster.machines[rank // per_machine]
             env = _env()
             env.update(
-                RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0",
+                RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % per_machine),
                 MASTER_ADDR=cluster.machines[0].address, MASTER_PORT=str(PORT),
             )  # fmt: skip
             procs.append(
@@ -354,7 +363,7 @@ def run_overhead(label: str, bits: int, rounds: int, workdir: Path) -> list[dict
         codes = [p.wait(timeout=3600) for p in procs]
     if any(codes):
         raise RuntimeError(f"failover: the overhead ranks exited with {codes}")
-    return [pickle.loads(spec_path.with_suffix(f".rank{r}").read_bytes()) for r in range(2)]
+    return [pickle.loads(spec_path.with_suffix(f".rank{r}").read_bytes()) for r in range(world)]
 
 
 _QUICK_MODEL = {"vocab": 256, "d_model": 32, "n_layers": 2, "n_heads": 2, "seq_len": 16}
@@ -377,8 +386,11 @@ def _failover_table(outcomes: dict[tuple[str, str], Outcome], kill_at: int, bits
     )
 
 
-def _overhead_table(label: str, bits: int, ranks: list[dict[str, Any]]) -> Table:
+def _overhead_table(
+    label: str, bits: int, ranks: list[dict[str, Any]], layout: tuple[int, int]
+) -> Table:
     times = ranks[0]["times"]  # already the slowest rank's (all-reduced)
+    where = "replicas across the link" if layout[0] > 1 else "no replica"
     base = statistics.median(times["none"])
     rows = []
     for variant in OVERHEAD_VARIANTS:
@@ -390,9 +402,9 @@ def _overhead_table(label: str, bits: int, ranks: list[dict[str, Any]]) -> Table
         ])  # fmt: skip
     return Table(
         title=(
-            f"snapshot overhead: GPT {label} under our fully_shard, 2 machines x 1 rank, link "
-            f"{fmt_rate(bits)}; a snapshot holds {fmt_bytes(ranks[0]['snapshot_bytes'])} per "
-            "rank"
+            f"snapshot overhead: GPT {label} under our fully_shard, {layout[0]} machine(s) x "
+            f"{layout[1]} rank(s) ({where}), link {fmt_rate(bits)}; a snapshot holds "
+            f"{fmt_bytes(ranks[0]['snapshot_bytes'])} per rank"
         ),
         columns=["variant", "step", "vs none", "save blocks training"],
         rows=rows,
@@ -423,6 +435,7 @@ def run(options: Options) -> list[Table]:
         if outcomes:
             tables.append(_failover_table(outcomes, kill_at, bits))
         if overhead != "none":
-            ranks = run_overhead(overhead, bits, rounds, workdir)
-            tables.append(_overhead_table(overhead, bits, ranks))
+            for layout in ((2, 1), (1, 2)):
+                ranks = run_overhead(overhead, bits, rounds, workdir, layout)
+                tables.append(_overhead_table(overhead, bits, ranks, layout))
     return tables
