@@ -30,9 +30,11 @@ Then the cost of snapshots on the step (``--overhead``): GPT at 30M parameters
 rank each (each snapshot replicated across the link), and on one machine of two (no
 replica: the cost of the copy alone); in one set of processes, blocks of 10 steps of
 each variant in turns: nothing, a snapshot every step, every 10 steps, and a disk
-checkpoint (``ckpt.CheckpointManager.save``) every step and every 10 steps. A block
-lasts as long as its slowest rank and ends once the last snapshot's replica is in; per
-step, median over the rounds. Also: what a rank's ``save`` blocks training for, and a
+checkpoint (``ckpt.CheckpointManager.save``) every step and every 10 steps. The saves
+come before a block's steps (every step's, or the first's), so that each replica has the
+steps after it to overlap with, as in a training loop. A block lasts as long as its
+slowest rank and ends once the last snapshot's replica is in; per step, median over the
+rounds. Also: what a rank's ``save`` blocks training for, and a
 snapshot's bytes per rank.
 
 Needs root (namespaces, tc); removes everything it makes.
@@ -300,18 +302,21 @@ def _overhead_rank(spec: dict[str, Any]) -> dict[str, Any]:
     def block(variant: str) -> float:
         dist.barrier()
         start = time.perf_counter()
+        kind, _, every = variant.partition(" every ")
         for i in range(10):
+            # The save comes before the step: the snapshot of the state the last step left
+            # (the same bytes as one taken after it), so that every snapshot's replica has
+            # the steps after it to overlap with, as in a training loop, instead of the
+            # last one of the block waiting alone in ``memory.wait()`` below.
+            if kind != "none" and (every == "1" or i == 0):
+                t = time.perf_counter()
+                if kind == "memory":
+                    memory.save(step_index[0], state)
+                else:
+                    disk.save(step_index[0], state)
+                blocked[variant].append(time.perf_counter() - t)
             train_step()
-            kind, _, every = variant.partition(" every ")
-            if kind == "none" or (every == "10" and i != 9):
-                continue
-            t = time.perf_counter()
-            if kind == "memory":
-                memory.save(step_index[0], state)
-            else:
-                disk.save(step_index[0], state)
-            blocked[variant].append(time.perf_counter() - t)
-        memory.wait()
+        memory.wait()  # a replica slower than the step after it shows here
         took = torch.tensor([time.perf_counter() - start])
         dist.all_reduce(took, op=dist.ReduceOp.MAX)
         return float(took) / 10

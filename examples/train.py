@@ -89,6 +89,12 @@ def run_rank(cfg: TrainConfig, explicit: Set[str] = frozenset()) -> int:
                 "from it by itself)"
                 if latest
                 else ""
+            )
+            + (
+                f"\n  snapshots in memory every {cfg.snapshot_every} step(s): a restart by "
+                "torchrun resumes from the newest complete one when it is newer"
+                if cfg.snapshot_every
+                else ""
             ),
             file=sys.stderr,
             flush=True,

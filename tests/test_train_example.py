@@ -396,6 +396,8 @@ def test_train_restarted_by_torchrun_resumes_after_a_rank_is_killed(
     assert f"at step {hang_at - 1}" in out or tier == "memory", out
     if tier == "memory":
         assert not (tmp_path / tier / "checkpoints" / "step_00000005").exists()
+        # The survivor's stopping message points at memory, not only at disk.
+        assert "snapshots in memory every 1 step(s): a restart by torchrun" in out, out
     assert losses(tmp_path / tier) == losses(tmp_path / "ref")
 
 
