@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.process_tree import kill_tree
+
 MINIMAL = Path(__file__).resolve().parent.parent / "examples" / "minimal"
 SCRIPTS = ["fsdp1.py", "ddp_zero.py", "fully_shard.py"]
 TIMEOUT = 240  # seconds per launch; one takes 10-30 s on a loaded 2-core machine
@@ -38,7 +40,7 @@ def _finish(proc: subprocess.Popen[str]) -> str:
     try:
         out, _ = proc.communicate(timeout=TIMEOUT)
     except subprocess.TimeoutExpired:
-        proc.kill()
+        kill_tree(proc.pid)  # the ranks too: the agent starts them in sessions of their own
         out, _ = proc.communicate()
         pytest.fail(f"no result in {TIMEOUT} s:\n{out[-4000:]}")
     assert proc.returncode == 0, out[-4000:]

@@ -17,7 +17,6 @@ run concurrently, and the model is tiny.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
@@ -34,6 +33,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from tests.process_tree import kill_tree
 
 pytest.importorskip("rich", reason="the example needs rich (add it to the tests session)")
 pytest.importorskip("matplotlib", reason="the example needs matplotlib (tests session)")
@@ -83,25 +84,8 @@ class Launch:
         return self.proc.returncode, out
 
     def kill(self) -> None:
-        """SIGKILL the launch and every process under it: torch's agent starts the ranks
-        in sessions of their own, out of reach of a kill of the launch's group."""
-        family, grew = {self.proc.pid}, True
-        while grew:
-            grew = False
-            for stat in Path("/proc").glob("[0-9]*/stat"):
-                try:
-                    pid, ppid = (
-                        int(stat.parent.name),
-                        int(stat.read_text().rsplit(")", 1)[1].split()[1]),
-                    )
-                except (OSError, ValueError, IndexError):
-                    continue
-                if ppid in family and pid not in family:
-                    family.add(pid)
-                    grew = True
-        for pid in family:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        """SIGKILL the launch and every process under it (the ranks included)."""
+        kill_tree(self.proc.pid)
 
     def wait_for_line(self, pattern: str) -> re.Match[str]:
         """Read the output until a line matches ``pattern``; the rest is kept for

@@ -16,6 +16,14 @@ torchrun scripts end) still leaves the groups a model's cycles hold to teardown,
 a gloo thread finishing its last work needs the GIL of an interpreter that is going
 away (examples/minimal/fsdp1.py: 3 aborts in 12 runs); collecting in that case too:
 0 in 30. That is evidence, not proof: the root cause is inside gloo/c10d teardown.
+The collection itself once hung instead (examples/minimal/ddp_zero.py: 2 hangs in 19
+runs, native stacks taken): it freed a DDP module's C++ ``Reducer``, which held the
+last reference to the gloo group, so the group's destructor ran inside the collection,
+with the GIL held, waiting for a gloo worker thread that was itself waiting for the GIL
+(it was dropping its last finished work, whose tensors' Python objects need the GIL to
+go). Torch drops a group held from Python without the GIL; so the hook holds every
+group that a live DDP module names until the collection is over and lets go of them
+after it, from Python (0 hangs in 60 runs).
 Non-daemon threads (an asynchronous checkpoint) have been joined by then;
 destroying a gloo group is local and closes its sockets, which makes any peer still
 waiting on this rank fail at once instead of at its timeout. fsdp and zero_optim
@@ -28,6 +36,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import gc
+import sys
 from types import ModuleType
 
 __all__ = ["register_clean_exit"]
@@ -45,8 +54,27 @@ def _destroy_default_group() -> None:
     # destroy_process_group only drops torch's own references; a group still held by a
     # garbage cycle (a traceback's frames, a model) would be freed during interpreter
     # teardown instead. Collect those now, while it is intact, also when the script
-    # destroyed the default group itself (as torchrun scripts do at their end).
+    # destroyed the default group itself (as torchrun scripts do at their end), but not
+    # with a group's last reference in C++ (see the note).
+    held = _groups_of_ddp_modules()
     gc.collect()
+    held.clear()  # the groups' last references, dropped from Python
+
+
+def _groups_of_ddp_modules() -> list[object]:
+    """The process groups that DDP modules still alive (garbage or not) name, whose C++
+    ``Reducer`` holds them too."""
+    ddp = sys.modules.get("torch.nn.parallel.distributed")
+    cls = getattr(ddp, "DistributedDataParallel", None)
+    if not isinstance(cls, type):
+        return []
+    groups: list[object] = []
+    for obj in gc.get_objects():
+        if isinstance(obj, cls):
+            group = vars(obj).get("process_group")
+            if group is not None:
+                groups.append(group)
+    return groups
 
 
 def register_clean_exit(distributed: ModuleType) -> None:
