@@ -8,13 +8,18 @@ from __future__ import annotations
 import io
 import pickle
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
 from ckpt._format.chunk_index import dcp_metadata, encode_index, read_index
 from ckpt._format.chunk_plan import ChunkPlanError, plan_chunks
 from ckpt._format.chunk_table import BYTES, TENSOR, ChunkTable, Row, dtype_code
+from ckpt._format.flat_keys import flatten
 from ckpt._format.tensor_blob import raw_bytes, saved_bytes, template_for
 
 F32 = dtype_code(torch.float32)
@@ -72,6 +77,45 @@ def test_tables_round_trip_through_their_bytes() -> None:
     assert again.fingerprint() == table.fingerprint()
     assert _table(2, 4).fingerprint() != table.fingerprint()
     assert table.keys() == ["model.w", "model.b", "step"]
+
+
+def test_tables_of_other_paths_encode_their_own_paths() -> None:
+    # The JSON of the last paths is kept for the next save: never another table's.
+    one = _table(1, 4)
+    other = ChunkTable.of([("x",), ("y", 0)], [Row(0, BYTES, -1, (), (), ())] * 2)
+    for table in (one, other, one, ChunkTable.of(list(one.paths), one.decoded())):
+        again = ChunkTable.decode(table.encode())
+        assert again.paths == table.paths and again.decoded() == table.decoded()
+
+
+_leaves = st.one_of(
+    st.integers(-3, 3),
+    st.text(max_size=3),
+    st.none(),
+    st.builds(torch.zeros, st.integers(0, 3)),
+    st.tuples(st.integers(0, 3), st.builds(torch.ones, st.integers(1, 2))),
+)
+_keys = st.one_of(st.text("ab.0", max_size=3), st.integers(0, 3))
+_nested = st.recursive(
+    _leaves,
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(_keys, inner, max_size=4)),
+    max_leaves=20,
+)
+
+
+def _outcome(flat: Any) -> Any:
+    try:
+        values, paths = flat()
+    except ValueError as e:
+        return str(e)
+    return list(paths.items()), [id(v) for v in values.values()], list(values)
+
+
+@given(st.dictionaries(st.text("ab.", min_size=1, max_size=3), _nested, max_size=4))
+def test_flattened_keys_are_dcps(state: dict[str, Any]) -> None:
+    # Mappings walked by ckpt, lists by DCP: the same keys, paths, order and values as
+    # DCP's flatten_state_dict, and the same error for keys that collide ("a.b").
+    assert _outcome(lambda: flatten(state)) == _outcome(lambda: flatten_state_dict(state))
 
 
 def test_plan_spreads_replicas_and_keeps_shards_with_their_rank() -> None:

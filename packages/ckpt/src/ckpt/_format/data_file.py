@@ -79,7 +79,7 @@ class _Out:
 def _host(chunk: torch.Tensor) -> torch.Tensor:
     """The chunk as a contiguous CPU tensor (a copy only where it must be; its memory
     is only read, so no ``detach``)."""
-    if chunk.device.type != "cpu":
+    if not chunk.is_cpu:
         chunk = chunk.detach().to("cpu")
     return chunk if chunk.is_contiguous() else chunk.detach().contiguous()
 
@@ -95,8 +95,10 @@ def write_data_file(
         for value in values:
             start = out.written
             if isinstance(value, torch.Tensor):
-                chunk = _host(value)
-                template = template_for(chunk)
+                chunk, template = value, template_for(value)  # most chunks: no _host
+                if template is None:
+                    chunk = _host(value)
+                    template = template_for(chunk)
                 if template is not None:
                     out.put(template.head, raw_bytes(chunk), template.tail)
                     stored.append((start, out.written - start, start + template.data_at))

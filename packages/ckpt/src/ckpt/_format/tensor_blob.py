@@ -121,7 +121,7 @@ def raw_bytes(chunk: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy (and without numpy, which
     torch does not require): a view of its memory, valid while ``chunk`` lives. Also
     writable, for a load that reads into it."""
-    nbytes = chunk.numel() * chunk.element_size()
+    nbytes = chunk.nbytes
     if nbytes == 0:
         return memoryview(bytearray())
     return memoryview((ctypes.c_char * nbytes).from_address(chunk.data_ptr())).cast("B")
@@ -150,20 +150,23 @@ def templates_hold() -> bool:
 
 
 _templates: dict[tuple[torch.dtype, torch.Size], BlobTemplate | None] = {}
+_UNKNOWN = BlobTemplate(b"", b"")  # not looked at yet (None: looked at, no template)
 _MAX_TEMPLATES = 4096  # distinct (dtype, shape) kept; a model has a few dozen
 
 
 def template_for(chunk: torch.Tensor) -> BlobTemplate | None:
     """The template of a contiguous CPU ``chunk``'s dtype and shape (cached per
     process), or None: write it with ``torch.save`` (see [Note: blob templates])."""
-    if type(chunk) is not torch.Tensor or chunk.layout != torch.strided:
+    # Called per chunk of every save: the cheapest checks (``is_cpu``, not ``device``).
+    if type(chunk) is not torch.Tensor or not chunk.is_cpu or not chunk.is_contiguous():
         return None
-    if not chunk.is_contiguous() or chunk.device.type != "cpu":
+    if chunk.layout != torch.strided:
         return None
     key = (chunk.dtype, chunk.shape)
-    if key not in _templates:
+    template = _templates.get(key, _UNKNOWN)
+    if template is _UNKNOWN:
         if len(_templates) >= _MAX_TEMPLATES:
             _templates.clear()
         held = templates_hold() and not chunk.is_quantized
-        _templates[key] = _split(chunk) if held else None
-    return _templates[key]
+        template = _templates[key] = _split(chunk) if held else None
+    return template

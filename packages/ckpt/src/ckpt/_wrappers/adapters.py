@@ -73,6 +73,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from ckpt._format.manifest import Manifest
+from ckpt._wrappers.fqns import state_by_fqn
 from ckpt._wrappers.fsdp1_model import RUNS_ATTR, LocalShardMismatchError
 from ckpt._wrappers.fsdp1_optim import (
     fsdp_optim_runs,
@@ -386,6 +387,10 @@ _DTENSOR = DTensorModels()
 _SHARDED = StateDictOptions(strict=True)
 
 
+def _no_frozen(prefix: str) -> set[str]:
+    return set()  # _SHARDED keeps frozen parameters
+
+
 class DTensorModuleAdapter:
     """Models with ``DTensor`` parameters: their own state dict, by FQN."""
 
@@ -393,7 +398,11 @@ class DTensorModuleAdapter:
         return isinstance(obj, nn.Module) and has_dtensor_params(obj)
 
     def state_dict(self, obj: nn.Module, ctx: StateContext) -> dict[str, Any]:
-        return _DTENSOR.model_state_dict(obj, _SHARDED, None)  # by reference
+        if ctx.loading:
+            return _DTENSOR.model_state_dict(obj, _SHARDED, None)
+        # A save only reads the shards' memory ([Note: capture, then copy or write]):
+        # the parameters themselves, by reference, without a detached alias of each.
+        return state_by_fqn(obj, _SHARDED, None, _no_frozen, keep_vars=True)
 
     def load_state_dict(
         self, obj: nn.Module, state_dict: dict[str, Any], ctx: StateContext

@@ -68,13 +68,18 @@ def state_by_fqn(
     options: StateDictOptions,
     submodules: set[nn.Module] | None,
     frozen: Callable[[str], set[str]],
+    keep_vars: bool = False,
 ) -> dict[str, Any]:
     """``model.state_dict()`` keyed by FQN: :func:`root_prefix` removed, the names
     ``frozen(prefix)`` gives left out under ``ignore_frozen_params``, and the
-    ``submodules=`` filter applied. Values as the model's own state dict holds them."""
+    ``submodules=`` filter applied. Values as the model's own state dict holds them;
+    with ``keep_vars`` the parameters themselves, not detached aliases: only for a
+    caller that reads their memory and hands them to nobody (a save's capture, where
+    the thousand ``detach()`` calls of a ``DTensor`` model were a sixth of a repeated
+    save)."""
     prefix = root_prefix(model)
     with torch.no_grad():
-        raw = model.state_dict()
+        raw = model.state_dict(keep_vars=keep_vars)
     state = {k.removeprefix(prefix): v for k, v in raw.items()}
     if options.ignore_frozen_params:
         left_out = frozen(prefix)
