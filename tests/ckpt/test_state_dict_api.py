@@ -149,6 +149,10 @@ def _resume_cases(
     saved: dict[str, Any] = {}
     for i, opts in enumerate(cases):
         msd, osd = api_.get_state_dict(*trained, options=api_.StateDictOptions(**opts))
+        # As torch's: values apart from the autograd graph (a save's capture keeps the
+        # parameters themselves; what the API hands out never does).
+        attached = [k for k, v in msd.items() if isinstance(v, torch.Tensor) and v.requires_grad]
+        assert not attached, f"{kind} {opts}: {attached[:3]} require grad"
         if rank == 0 or not _rank0_holds(opts):
             saved[f"case{i}"] = {"model": msd, "optim": osd}
     dcp.save(saved, storage_writer=dcp.FileSystemWriter(path, sync_files=False))
