@@ -140,7 +140,8 @@ def stage(state_dict: dict[str, Any]) -> Staged:
             )
             _Buffers.stager, _Buffers.cuda = DefaultStager(options), cuda
         items: list[Any] = []
-        skeleton = _take(state_dict, items)
+        with torch.no_grad():  # the capture holds parameters: no graph for to_local()
+            skeleton = _take(state_dict, items)
         # One list: storages shared by several tensors are copied once, in one pass.
         done = _Buffers.stager.stage({"items": items})  # not a Future: staging is blocking
     assert isinstance(done, dict)
