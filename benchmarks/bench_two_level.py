@@ -50,7 +50,7 @@ one step. Needs root, iproute2 and util-linux (``machines.preflight``).
 from __future__ import annotations
 
 import argparse
-import datetime
+import functools
 import gc
 import multiprocessing
 import os
@@ -61,7 +61,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,7 +68,16 @@ from typing import Any
 from benchmarks import machines
 from benchmarks.bench_scale import SIZES as SCALE_SIZES
 from benchmarks.bench_slow_link import _csv, _non_negative, _positive, _rate, fmt_rate, parse_rate
-from benchmarks.common import Options, Table, fmt_bytes, fmt_ms, ratio
+from benchmarks.common import (
+    Options,
+    Table,
+    fmt_bytes,
+    fmt_ms,
+    ratio,
+    read_results,
+    result_path,
+    run_rank,
+)
 
 DESCRIPTION = (
     "FSDP over 4 ranks, HSDP and sharding across replicas on 2 simulated machines x 2 "
@@ -210,17 +218,13 @@ def run_on_cluster(cluster: machines.Cluster, job: Job, timeout: float) -> list[
                 if agent.poll() is None:
                     os.killpg(agent.pid, signal.SIGKILL)
                     agent.wait()
-        results = []
-        for rank in range(spec.world):
-            path = Path(folder) / f"rank{rank}.pkl"
-            if not path.exists():
-                codes = [a.returncode for a in agents]
-                raise RuntimeError(f"two_level: rank {rank} left no result (agents: {codes})")
-            status, value = pickle.loads(path.read_bytes())
-            if status != "ok":
-                raise RuntimeError(f"two_level: rank {rank} raised:\n{value}")
-            results.append(value)
-        return results
+        codes = [a.returncode for a in agents]
+        return read_results(
+            folder,
+            spec.world,
+            "of two_level",
+            lambda rank: f"two_level: rank {rank} left no result (agents: {codes})",
+        )
 
 
 def _agent(spec_path: str, machine: str) -> None:
@@ -236,7 +240,7 @@ def _agent(spec_path: str, machine: str) -> None:
         p.start()
     for rank, p in enumerate(procs, start=first):
         p.join()
-        result = Path(spec.folder) / f"rank{rank}.pkl"
+        result = result_path(spec.folder, rank)
         if p.exitcode != 0 and not result.exists():  # killed before it could say why
             why = f"rank {rank} exited with {p.exitcode}"
             if p.exitcode == -signal.SIGKILL:
@@ -246,26 +250,12 @@ def _agent(spec_path: str, machine: str) -> None:
 
 def _rank_main(spec: Launch, rank: int) -> None:
     import torch
-    import torch.distributed as dist
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     os.environ["GLOO_SOCKET_IFNAME"] = machines.NIC  # the machine's address, not lo
-    record: tuple[str, Any]
-    try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://{spec.master}:{PORT}",
-            rank=rank,
-            world_size=spec.world,
-            timeout=datetime.timedelta(seconds=spec.timeout),
-        )
-        record = ("ok", _timing_rank(spec.job))
-    except BaseException:
-        record = ("raised", traceback.format_exc())
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    (Path(spec.folder) / f"rank{rank}.pkl").write_bytes(pickle.dumps(record))
+    init_method = f"tcp://{spec.master}:{PORT}"
+    work = functools.partial(_timing_rank, spec.job)
+    run_rank(spec.folder, rank, spec.world, work, init_method=init_method, timeout=spec.timeout)
 
 
 # ------------------------------------------------------------------ the ranks

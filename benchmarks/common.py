@@ -121,16 +121,66 @@ def launch(fn: Callable[..., T], world_size: int, *args: Any, timeout: float = 6
                 if p.is_alive():
                     p.kill()
                     p.join()
-        results = []
-        for rank, p in enumerate(procs):
-            path = Path(folder) / f"rank{rank}.pkl"
-            if not path.exists():
-                raise RuntimeError(f"rank {rank} of {fn.__qualname__} exited ({p.exitcode})")
-            status, value = pickle.loads(path.read_bytes())
-            if status != "ok":
-                raise RuntimeError(f"rank {rank} of {fn.__qualname__} raised:\n{value}")
-            results.append(value)
-        return results
+        return read_results(
+            folder,
+            world_size,
+            f"of {fn.__qualname__}",
+            lambda rank: f"rank {rank} of {fn.__qualname__} exited ({procs[rank].exitcode})",
+        )
+
+
+def result_path(folder: str, rank: int) -> Path:
+    """Where a launched rank leaves its outcome: ``("ok", value)`` or ``("raised", text)``."""
+    return Path(folder) / f"rank{rank}.pkl"
+
+
+def run_rank(
+    folder: str,
+    rank: int,
+    world_size: int,
+    work: Callable[[], Any],
+    *,
+    init_method: str,
+    timeout: float,
+) -> None:
+    """One launched rank: a gloo group (every collective bounded by ``timeout``), ``work()``,
+    the group destroyed, and the outcome (or the traceback) in :func:`result_path`."""
+    import torch.distributed as dist
+
+    record: tuple[str, Any]
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=init_method,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout),
+        )
+        record = ("ok", work())
+    except BaseException:
+        record = ("raised", traceback.format_exc())
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    result_path(folder, rank).write_bytes(pickle.dumps(record))
+
+
+def read_results(
+    folder: str, world_size: int, who: str, missing: Callable[[int], str]
+) -> list[Any]:
+    """Every rank's value from :func:`run_rank`'s files, rank-ordered; raises with the first
+    rank's traceback (``who`` names the launch), or ``missing(rank)`` for a rank that left
+    no file (killed before it could say why)."""
+    results = []
+    for rank in range(world_size):
+        path = result_path(folder, rank)
+        if not path.exists():
+            raise RuntimeError(missing(rank))
+        status, value = pickle.loads(path.read_bytes())
+        if status != "ok":
+            raise RuntimeError(f"rank {rank} {who} raised:\n{value}")
+        results.append(value)
+    return results
 
 
 def _rank_main(
@@ -141,29 +191,14 @@ def _rank_main(
     where: tuple[str, float],  # (temporary folder, timeout in seconds)
 ) -> None:
     import torch
-    import torch.distributed as dist
 
     folder, timeout = where
     threads = int(os.environ.get("OMP_NUM_THREADS", "1"))
     torch.set_num_threads(threads)
     if "GLOO_SOCKET_IFNAME" not in os.environ and os.path.exists("/sys/class/net/lo"):
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # every rank is on this host
-    record: tuple[str, Any]
-    try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"file://{Path(folder) / 'rendezvous'}",
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout),
-        )
-        record = ("ok", fn(*args))
-    except BaseException:
-        record = ("raised", traceback.format_exc())
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    (Path(folder) / f"rank{rank}.pkl").write_bytes(pickle.dumps(record))
+    init_method = f"file://{Path(folder) / 'rendezvous'}"
+    run_rank(folder, rank, world_size, lambda: fn(*args), init_method=init_method, timeout=timeout)
 
 
 # ----------------------------------------------------------------- measuring
